@@ -1,0 +1,213 @@
+"""The LightningDataModule: sources -> tokenizer (trained or reused) -> packed shards -> windows.
+
+``prepare_data`` (one process per node) materialises the embedded corpus, trains or loads the
+tokenizer and builds the shards; ``setup`` (every process) opens them read-only. Everything built
+is cached under ``cache_dir`` by a hash of its inputs, so a second run starts at once and a
+changed source or tokenizer rebuilds."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+from torch.utils.data import ConcatDataset, DataLoader
+
+from bnlit.data import embedded
+from bnlit.data.dataset import MixtureSampler, PackedWindows
+from bnlit.data.shards import build_shards, is_validation, load_index, read_tokens
+from bnlit.data.sources import Source, check_exists, fingerprint, iter_documents
+from bnlit.errors import ConfigError, TokenizerError
+from bnlit.tokenizer import Tokenizer, train_tokenizer
+
+log = logging.getLogger(__name__)
+TOKENIZER_FILE = "tokenizer.model"
+
+
+class BnDataModule(L.LightningDataModule):
+    """Args:
+    sources: list of :class:`~bnlit.data.sources.Source` fields (dicts from the config).
+    tokenizer: ``path`` (an existing SentencePiece model, or None to train one), ``vocab_size``,
+        ``model_type``, ``character_coverage``.
+    seq_len: tokens per training window.
+    batch_size: windows per micro-batch per device.
+    val_fraction: share of each source's documents held out (by content hash) for validation.
+    cache_dir: where tokenizers and shards are cached.
+    output_dir: the run directory; the tokenizer used is copied there.
+    """
+
+    def __init__(
+        self,
+        sources: Sequence[Mapping[str, Any]],
+        tokenizer: Mapping[str, Any],
+        seq_len: int,
+        batch_size: int,
+        cache_dir: str,
+        output_dir: str | None = None,
+        val_fraction: float = 0.05,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        num_proc: int = 1,
+        seed: int = 0,
+    ):
+        super().__init__()
+        if not sources:
+            raise ConfigError("data.sources is empty; list at least one source")
+        self.sources = [Source(**dict(s), field=f"data.sources[{i}]") for i, s in enumerate(sources)]
+        names = [s.name for s in self.sources]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"data.sources: names must be unique, got {names}")
+        if not 0.0 < val_fraction < 1.0:
+            raise ConfigError(f"data.val_fraction={val_fraction}: must be in (0, 1)")
+        self.tokenizer_cfg = dict(tokenizer)
+        self.seq_len, self.batch_size = seq_len, batch_size
+        self.cache_dir = Path(cache_dir).expanduser()
+        self.output_dir = Path(output_dir) if output_dir else None
+        self.val_fraction, self.seed = val_fraction, seed
+        self.num_workers, self.pin_memory, self.num_proc = num_workers, pin_memory, num_proc
+        self.tokenizer: Tokenizer | None = None
+        self.index: dict | None = None
+        self.shard_dir: Path | None = None
+
+    # ---- building -------------------------------------------------------------------------
+    def _resolve(self) -> list[tuple[Source, Path | None]]:
+        resolved = []
+        for s in self.sources:
+            if s.is_embedded:
+                files = embedded.materialize(self.cache_dir / "embedded")
+                lang = s.path.split(":", 1)[1]
+                if lang not in files:
+                    raise ConfigError(f"{s.field}.path={s.path!r}: embedded languages are {sorted(files)}")
+                resolved.append((s, files[lang]))
+            elif s.path is not None:
+                path = Path(s.path).expanduser()
+                check_exists(path, f"{s.field}.path")
+                resolved.append((s, path))
+            else:
+                resolved.append((s, None))
+        return resolved
+
+    def _documents(self, source: Source, path: Path | None):
+        return iter_documents(source, path, cache_dir=str(self.cache_dir / "hf"))
+
+    def _tokenizer(self, resolved, fingerprints: list[str]) -> Tokenizer:
+        cfg = self.tokenizer_cfg
+        want = cfg["vocab_size"]
+        if cfg.get("path"):
+            tok = Tokenizer(cfg["path"])
+            if tok.vocab_size != want:
+                raise TokenizerError(
+                    f"tokenizer.path: {cfg['path']} has {tok.vocab_size} tokens but "
+                    f"model.config.vocab_size={want}; set model.config.vocab_size={tok.vocab_size} "
+                    "or train a tokenizer of that size"
+                )
+            return tok
+        spec = {k: cfg.get(k) for k in ("vocab_size", "model_type", "character_coverage")}
+        key = hashlib.sha256(json.dumps([spec, fingerprints, self.val_fraction]).encode()).hexdigest()[:16]
+        path = self.cache_dir / "tokenizers" / key / TOKENIZER_FILE
+        if not path.is_file():
+            log.info("training a %d-token %s tokenizer on the training split", want, spec["model_type"])
+            docs = (d for s, p in resolved for d in self._documents(s, p)
+                    if not is_validation(d, self.val_fraction))
+            train_tokenizer(docs, path, vocab_size=want, model_type=spec["model_type"],
+                            character_coverage=spec["character_coverage"])
+            (path.parent / "sources.json").write_text(json.dumps([s.to_dict() for s, _ in resolved], indent=2))
+        return Tokenizer(path)
+
+    def _build(self) -> None:
+        if self.tokenizer is not None:
+            return
+        resolved = self._resolve()
+        fingerprints = [fingerprint(s, p) for s, p in resolved]
+        self.tokenizer = self._tokenizer(resolved, fingerprints)
+        self.shard_dir = build_shards(
+            self.cache_dir / "shards",
+            [(s.name, s.language, self._documents(s, p)) for s, p in resolved],
+            fingerprints,
+            self.tokenizer,
+            self.val_fraction,
+            num_proc=self.num_proc,
+        )
+        self.index = load_index(self.shard_dir)
+
+    def prepare_data(self) -> None:
+        self._build()
+        if self.output_dir is not None:
+            self.tokenizer.save(self.output_dir / TOKENIZER_FILE)
+
+    def setup(self, stage: str | None = None) -> None:
+        self._build()
+        self.train_sets = [
+            PackedWindows(read_tokens(self.shard_dir, self.index, s.name, "train"), self.seq_len)
+            for s in self.sources
+        ]
+        empty = [s.name for s, d in zip(self.sources, self.train_sets) if len(d) == 0]
+        if empty:
+            raise ConfigError(f"data.sources: {empty} have fewer than data.seq_len={self.seq_len} + 1 "
+                              "training tokens; add text or lower data.seq_len")
+        self.val_sets = {}
+        for lang in self.languages:
+            parts = [PackedWindows(read_tokens(self.shard_dir, self.index, s.name, "val"), self.seq_len)
+                     for s in self.sources if s.language == lang]
+            parts = [p for p in parts if len(p)]
+            if parts:
+                self.val_sets[lang] = ConcatDataset(parts)
+        missing = [lang for lang in self.languages if lang not in self.val_sets]
+        if missing:
+            raise ConfigError(f"data.val_fraction={self.val_fraction} holds out fewer than data.seq_len="
+                              f"{self.seq_len} + 1 tokens of language {missing}; raise data.val_fraction or add documents")
+
+    # ---- introspection for callbacks -------------------------------------------------------
+    @property
+    def languages(self) -> list[str]:
+        return list(dict.fromkeys(s.language for s in self.sources))
+
+    @property
+    def val_languages(self) -> list[str]:
+        return list(self.val_sets)
+
+    def split_stats(self, split: str) -> dict[str, dict[str, int]]:
+        """Documents, characters, bytes and tokens of each source's ``split``."""
+        return {name: dict(e[split], language=e["language"]) for name, e in self.index["sources"].items()}
+
+    def val_tokens(self, language: str) -> np.ndarray:
+        """All held-out tokens of one language, concatenated (for evaluation callbacks)."""
+        arrays = [np.asarray(read_tokens(self.shard_dir, self.index, s.name, "val"))
+                  for s in self.sources if s.language == language]
+        return np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
+
+    # ---- loaders ---------------------------------------------------------------------------
+    def _loader(self, dataset, sampler=None, drop_last=False) -> DataLoader:
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            sampler=sampler,
+            shuffle=False,
+            drop_last=drop_last,
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
+        sampler = MixtureSampler(
+            [len(d) for d in self.train_sets],
+            [s.weight for s in self.sources],
+            seed=self.seed,
+            rank=rank,
+            world_size=world,
+        )
+        return self._loader(ConcatDataset(self.train_sets), sampler=sampler, drop_last=True)
+
+    def val_dataloader(self) -> list[DataLoader]:
+        return [self._loader(d) for d in self.val_sets.values()]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"tokenizer_model": self.tokenizer.model_bytes, "tokenizer_sha256": self.tokenizer.sha256,
+                "val_languages": self.val_languages, "seq_len": self.seq_len}

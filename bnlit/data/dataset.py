@@ -1,0 +1,91 @@
+"""Fixed-length windows over packed token arrays and a seeded, rank-aware mixture order.
+
+The sample order follows OLMo: one global order per epoch computed from ``PCG64(seed + epoch)``,
+sliced by rank; it does not depend on the number of data-loader workers, and the sampler can
+start from any position (for resume)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, Sampler
+
+
+class PackedWindows(Dataset):
+    """Non-overlapping windows of ``seq_len + 1`` tokens: ``(input, target)`` shifted by one."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int):
+        self.tokens = tokens
+        self.seq_len = seq_len
+
+    def __len__(self) -> int:
+        return max(0, (len(self.tokens) - 1) // self.seq_len)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start = i * self.seq_len
+        chunk = torch.from_numpy(np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int64))
+        return chunk[:-1], chunk[1:]
+
+
+def mixture_counts(sizes: Sequence[int], weights: Sequence[float], epoch_len: int) -> list[int]:
+    """Samples drawn from each source per epoch so that their shares follow ``weights``
+    (largest-remainder rounding, so the counts sum to ``epoch_len`` exactly)."""
+    w = np.asarray(weights, dtype=np.float64) * (np.asarray(sizes) > 0)
+    if w.sum() <= 0:
+        raise ValueError("mixture has no source with both positive weight and data")
+    exact = w / w.sum() * epoch_len
+    counts = np.floor(exact).astype(np.int64)
+    for i in np.argsort(-(exact - counts), kind="stable")[: epoch_len - counts.sum()]:
+        counts[i] += 1
+    return counts.tolist()
+
+
+def epoch_order(sizes: Sequence[int], weights: Sequence[float], epoch_len: int, seed: int, epoch: int) -> np.ndarray:
+    """Global sample indices (into the concatenation of all sources) for one epoch. A source
+    asked for more samples than it has is repeated, each pass in a fresh permutation."""
+    rng = np.random.Generator(np.random.PCG64(seed + epoch))
+    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    parts = []
+    for size, count, offset in zip(sizes, mixture_counts(sizes, weights, epoch_len), offsets):
+        if count == 0:
+            continue
+        reps = -(-count // size)
+        perm = np.concatenate([rng.permutation(size) for _ in range(reps)])[:count]
+        parts.append(perm + offset)
+    order = np.concatenate(parts)
+    return order[rng.permutation(len(order))]
+
+
+class MixtureSampler(Sampler[int]):
+    """Yields this rank's slice of the epoch order, from ``start`` (samples already consumed by
+    this rank in the current epoch)."""
+
+    def __init__(
+        self,
+        sizes: Sequence[int],
+        weights: Sequence[float],
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        epoch_len: int | None = None,
+    ):
+        self.sizes, self.weights = list(sizes), list(weights)
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+        total = epoch_len if epoch_len is not None else sum(self.sizes)
+        self.epoch_len = total - total % world_size  # every rank gets the same number of samples
+        self.epoch = 0
+        self.start = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.epoch_len // self.world_size - self.start
+
+    def __iter__(self) -> Iterator[int]:
+        order = epoch_order(self.sizes, self.weights, self.epoch_len, self.seed, self.epoch)
+        mine = order[self.rank :: self.world_size]
+        start, self.start = self.start, 0  # a resumed position applies to one epoch only
+        return iter(mine[start:].tolist())

@@ -1,0 +1,174 @@
+"""Data sources: where text comes from, its language tag and mixture weight, read through HF
+``datasets``. A source is a local file (``.txt``, ``.jsonl``/``.json``, ``.parquet``), the
+embedded default corpus (``embedded:bn``, ``embedded:en``) or a hub dataset id."""
+
+from __future__ import annotations
+
+import codecs
+import hashlib
+import os
+import socket
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from bnlit.errors import DataError
+
+_BUILDERS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+HUB_HOST = "huggingface.co"
+
+
+@dataclass
+class Source:
+    """One entry of ``data.sources``.
+
+    Args:
+        name: unique short name (used in shard and metric names).
+        language: ISO 639-1 tag (``bn``, ``en``, ...); validation slices are carved per language.
+        path: a local file, ``embedded:<lang>``, or None when ``hub_id`` is set.
+        hub_id: a Hugging Face dataset id, read with ``datasets.load_dataset``.
+        hub_config: the dataset config (subset) name, e.g. ``20231101.bn``.
+        split: dataset split.
+        text_field: column holding the text (JSONL/Parquet/hub).
+        weight: mixture weight (relative; its unit is ``data.weight_unit``).
+        sample_by: for ``.txt`` files: ``paragraph`` (blank-line separated documents) or ``line``.
+        streaming: stream a hub dataset instead of downloading it whole.
+        max_docs: read at most this many documents (None: all).
+    """
+
+    name: str
+    language: str
+    path: str | None = None
+    hub_id: str | None = None
+    hub_config: str | None = None
+    split: str = "train"
+    text_field: str = "text"
+    weight: float = 1.0
+    sample_by: str = "paragraph"
+    streaming: bool = False
+    max_docs: int | None = None
+    field: str = "data.sources"  # where this source came from, for error messages
+
+    def __post_init__(self) -> None:
+        if (self.path is None) == (self.hub_id is None):
+            raise DataError(f"{self.field}: set exactly one of path or hub_id")
+        if self.weight < 0:
+            raise DataError(f"{self.field}.weight={self.weight}: weights must be >= 0")
+        if self.sample_by not in ("paragraph", "line", "document"):
+            raise DataError(f"{self.field}.sample_by={self.sample_by!r}: use paragraph, line or document")
+
+    @property
+    def is_embedded(self) -> bool:
+        return self.path is not None and self.path.startswith("embedded:")
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if k != "field"}
+
+
+def check_exists(path: Path, field: str) -> None:
+    if not path.is_file():
+        raise DataError(f"{field}: file {path} does not exist; fix the path")
+    if path.stat().st_size == 0:
+        raise DataError(f"{field}: file {path} is empty; point it at a file with text")
+
+
+def check_text_file(path: Path, field: str) -> None:
+    """Fail with one line if ``path`` is missing, empty or not UTF-8 (reporting the byte offset)."""
+    check_exists(path, field)
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            try:
+                decoder.decode(chunk)
+            except UnicodeDecodeError as e:
+                raise DataError(
+                    f"{field}: file {path} is not valid UTF-8 (byte {offset + e.start}); "
+                    "re-encode it, e.g. `iconv -f <encoding> -t utf-8`"
+                ) from None
+            offset += len(chunk)
+        try:
+            decoder.decode(b"", final=True)
+        except UnicodeDecodeError:
+            raise DataError(f"{field}: file {path} ends inside a UTF-8 sequence (truncated?); re-encode it") from None
+
+
+def fingerprint(source: Source, resolved_path: Path | None) -> str:
+    """Content hash of a local file, or the identity of a hub dataset; shards are rebuilt when it
+    changes."""
+    h = hashlib.sha256(repr(sorted(source.to_dict().items())).encode())
+    if resolved_path is not None:
+        with resolved_path.open("rb") as f:
+            while chunk := f.read(1 << 22):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    if os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("HF_DATASETS_OFFLINE") == "1":
+        return False
+    try:
+        socket.create_connection((HUB_HOST, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def iter_documents(source: Source, resolved_path: Path | None, cache_dir: str | None = None) -> Iterator[str]:
+    """Yield the non-empty documents of ``source`` in a stable order."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    try:
+        if resolved_path is not None:
+            builder = _BUILDERS.get(resolved_path.suffix.lower())
+            if builder is None:
+                raise DataError(f"{source.field}.path: {resolved_path} has an unknown extension; "
+                                f"use one of {sorted(_BUILDERS)}")
+            if builder != "parquet":
+                check_text_file(resolved_path, f"{source.field}.path")
+            kwargs = {"sample_by": source.sample_by} if builder == "text" else {}
+            ds = datasets.load_dataset(builder, data_files=str(resolved_path), split="train",
+                                       cache_dir=cache_dir, **kwargs)
+        else:
+            ds = _load_hub(source, cache_dir)
+    except DataError:
+        raise
+    except Exception as e:  # datasets raises many types; name the source and keep one line
+        raise DataError(f"{source.field}: cannot read {source.path or source.hub_id}: "
+                        f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+    if source.text_field not in (ds.column_names or [source.text_field]):
+        raise DataError(f"{source.field}.text_field={source.text_field!r}: not a column of "
+                        f"{source.path or source.hub_id}; columns are {ds.column_names}")
+    n = 0
+    for row in ds:
+        text = row[source.text_field]
+        if text and text.strip():
+            yield text
+            n += 1
+            if source.max_docs is not None and n >= source.max_docs:
+                return
+    if n == 0:
+        raise DataError(f"{source.field}: {source.path or source.hub_id} holds no text in "
+                        f"field {source.text_field!r}; point it at a file with documents")
+
+
+def _load_hub(source: Source, cache_dir: str | None):
+    import datasets
+
+    what = f"{source.hub_id}" + (f" ({source.hub_config})" if source.hub_config else "")
+    if not hub_reachable():
+        # a hub dataset already in the local cache still loads offline; otherwise fail fast
+        os.environ["HF_DATASETS_OFFLINE"] = "1"
+        os.environ["HF_HUB_OFFLINE"] = "1"
+        try:
+            return datasets.load_dataset(source.hub_id, source.hub_config, split=source.split,
+                                         cache_dir=cache_dir, streaming=source.streaming)
+        except Exception:
+            raise DataError(
+                f"{source.field}: hub dataset {what} is not cached and {HUB_HOST} is unreachable; "
+                f"pre-download it on a machine with network (`hf download --repo-type dataset "
+                f"{source.hub_id}`) and set HF_HOME, or point {source.field}.path at local files"
+            ) from None
+    return datasets.load_dataset(source.hub_id, source.hub_config, split=source.split,
+                                 cache_dir=cache_dir, streaming=source.streaming)

@@ -1,0 +1,24 @@
+"""Errors a person can act on. Each message is one line naming the file or field and the fix;
+``bnlit.train`` prints it without a traceback and exits non-zero."""
+
+
+class BnlitError(Exception):
+    """Base class for user-facing errors."""
+
+    exit_code = 2
+
+
+class ConfigError(BnlitError):
+    """A config value is invalid or inconsistent with another."""
+
+
+class DataError(BnlitError):
+    """A data source, file or shard is missing, empty, unreadable or inconsistent."""
+
+
+class TokenizerError(BnlitError):
+    """A tokenizer cannot be trained or loaded, or does not fit the model."""
+
+
+class CheckpointError(BnlitError):
+    """A checkpoint or output directory cannot be used as asked."""

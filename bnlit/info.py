@@ -1,0 +1,53 @@
+"""``python -m bnlit.info model=<preset> [data.seq_len=T] [data.batch_size=B]``: size a run
+without a GPU. Prints one JSON object: parameter counts, training FLOPs per token and an estimate
+of per-device training memory. Composes the same Hydra config as ``bnlit.train``."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
+from hydra.utils import instantiate
+
+import bnlit.resolvers  # noqa: F401
+from bnlit import CONF_DIR
+from bnlit.errors import BnlitError
+from bnlit.flops import flops_per_token, param_counts, training_memory_bytes
+
+GIB = 1 << 30
+
+
+def model_info(overrides: list[str]) -> dict:
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=overrides)
+    mc = instantiate(cfg.model.config)
+    seq_len, micro = cfg.data.seq_len, cfg.data.batch_size
+    accum, devices = cfg.trainer.accumulate_grad_batches, cfg.trainer.devices
+    mem = training_memory_bytes(mc, seq_len, micro, cfg.model.activation_checkpointing)
+    return {
+        "preset": mc.name,
+        **param_counts(mc),
+        "vocab_size": mc.vocab_size,
+        "seq_len": seq_len,
+        "flops_per_token": flops_per_token(mc, seq_len),
+        "flops_per_token_6n": 6 * param_counts(mc)["n_params"],
+        "micro_batch": micro,
+        "tokens_per_optimizer_step_per_device": micro * seq_len * accum,
+        "devices": devices,
+        "memory_estimate_gib": {k: round(v / GIB, 2) for k, v in mem.items()},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        print(json.dumps(model_info(sys.argv[1:] if argv is None else argv), indent=2))
+    except (BnlitError, HydraException) as e:
+        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""SentencePiece tokenizer: training, loading and Bangla-safe normalisation.
+
+Normalisation is Unicode NFC, applied by bnlit before SentencePiece sees the text; SentencePiece's
+own rule is ``identity``. NFKC (SentencePiece's default) also folds compatibility characters, which
+rewrites some Bangla text (for example the khanda-ta and nukta letters) and so changes what a
+model sees from what a user typed; NFC only composes canonically equivalent sequences. NFC
+decomposes য় ড় ঢ় into letter + nukta (U+09BC), so the nukta, the danda । and the Bangla digits are
+seeded as required characters: without them they would fall back to bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import string
+import unicodedata
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from bnlit.errors import TokenizerError
+
+PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+BANGLA_REQUIRED = "\u09bc\u0964\u0965\u09f3" + "০১২৩৪৫৬৭৮৯"
+REQUIRED_CHARS = BANGLA_REQUIRED + string.digits + string.punctuation + "‘’“”–—…"
+MAX_LINE_BYTES = 4000  # SentencePiece drops training sentences longer than max_sentence_length (4192 bytes)
+
+
+def normalize(text: str) -> str:
+    return unicodedata.normalize("NFC", text)
+
+
+def training_lines(texts: Iterable[str], max_bytes: int = MAX_LINE_BYTES) -> Iterator[str]:
+    """Split documents into lines SentencePiece accepts, cutting over-long lines at spaces."""
+    for text in texts:
+        for line in normalize(text).splitlines():
+            line = line.strip()
+            while line:
+                if len(line.encode("utf-8")) <= max_bytes:
+                    yield line
+                    break
+                cut = line.rfind(" ", 0, max_bytes // 3)  # a Bangla character is 3 UTF-8 bytes
+                cut = cut if cut > 0 else max_bytes // 3
+                yield line[:cut]
+                line = line[cut:].strip()
+
+
+def train_tokenizer(
+    texts: Iterable[str],
+    out_path: str | os.PathLike,
+    vocab_size: int,
+    model_type: str = "bpe",
+    character_coverage: float = 0.9999,
+    max_sentences: int = 2_000_000,
+    num_threads: int | None = None,
+) -> Path:
+    """Train a SentencePiece model on ``texts`` and write it atomically to ``out_path``."""
+    import sentencepiece as spm
+
+    if model_type not in ("bpe", "unigram"):
+        raise TokenizerError(f"tokenizer.model_type={model_type!r}: use 'bpe' or 'unigram'")
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    model = io.BytesIO()
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=training_lines(texts),
+            model_writer=model,
+            vocab_size=vocab_size,
+            model_type=model_type,
+            character_coverage=character_coverage,
+            normalization_rule_name="identity",
+            byte_fallback=True,
+            split_digits=True,
+            allow_whitespace_only_pieces=True,
+            required_chars="".join(sorted(set(REQUIRED_CHARS))),
+            pad_id=PAD_ID,
+            unk_id=UNK_ID,
+            bos_id=BOS_ID,
+            eos_id=EOS_ID,
+            input_sentence_size=max_sentences,
+            shuffle_input_sentence=True,
+            seed_sentencepiece_size=1_000_000,
+            num_threads=num_threads or os.cpu_count() or 1,
+            minloglevel=2,
+        )
+    except RuntimeError as e:
+        raise TokenizerError(f"tokenizer training failed ({str(e).splitlines()[0]}); "
+                             f"lower tokenizer.vocab_size={vocab_size} or give more text") from None
+    tmp = out_path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_bytes(model.getvalue())
+    os.replace(tmp, out_path)
+    return out_path
+
+
+class Tokenizer:
+    """A loaded SentencePiece model with bnlit's normalisation and special tokens."""
+
+    def __init__(self, model: str | os.PathLike | bytes):
+        import sentencepiece as spm
+
+        if isinstance(model, (bytes, bytearray)):
+            self.model_bytes = bytes(model)
+            self.path = None
+        else:
+            self.path = Path(model)
+            if not self.path.is_file():
+                raise TokenizerError(f"tokenizer.path: {self.path} does not exist; train one with "
+                                     "scripts/train_tokenizer.py or leave tokenizer.path unset")
+            self.model_bytes = self.path.read_bytes()
+        self.sp = spm.SentencePieceProcessor()
+        try:
+            self.sp.LoadFromSerializedProto(self.model_bytes)
+        except Exception:
+            raise TokenizerError(f"tokenizer.path: {self.path} is not a SentencePiece model") from None
+        self.sha256 = hashlib.sha256(self.model_bytes).hexdigest()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.sp.get_piece_size()
+
+    bos_id, eos_id, pad_id, unk_id = BOS_ID, EOS_ID, PAD_ID, UNK_ID
+
+    def encode(self, text: str) -> list[int]:
+        return self.sp.encode(normalize(text))
+
+    def encode_batch(self, texts: list[str], num_threads: int = 1) -> list[list[int]]:
+        return self.sp.encode([normalize(t) for t in texts], num_threads=num_threads)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.sp.decode(list(ids))
+
+    def is_byte(self, token_id: int) -> bool:
+        return self.sp.is_byte(token_id)
+
+    def save(self, path: str | os.PathLike) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_bytes(self.model_bytes)
+        os.replace(tmp, path)
+        return path

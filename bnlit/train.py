@@ -1,0 +1,113 @@
+"""``python -m bnlit.train [overrides]``: compose the config, build data, model, callbacks and
+loggers, fit, and report where everything went. ``train(cfg)`` is the testable core; ``main`` is
+a thin Hydra wrapper that turns :class:`~bnlit.errors.BnlitError` into one line and exit code 2."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import hydra
+import lightning as L
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+import bnlit.resolvers  # noqa: F401  (registers ${bnlit.*} resolvers)
+from bnlit import CONF_DIR
+from bnlit.errors import BnlitError, CheckpointError, ConfigError
+
+log = logging.getLogger("bnlit")
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Cross-field checks that no single constructor can make."""
+    max_len = cfg.model.config.max_seq_len
+    if cfg.data.seq_len > max_len:
+        raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds model.config.max_seq_len={max_len} "
+                          f"of preset {cfg.model.config.name}; lower data.seq_len or raise max_seq_len")
+
+
+def resolve_ckpt_path(ckpt_path: str | None, checkpoint_dir: Path, overwrite: bool) -> str | None:
+    """``None``: a fresh run, refused if the run dir already holds checkpoints (unless
+    ``overwrite``); ``"last"``: the newest checkpoint of this run dir; else an existing file."""
+    existing = sorted(checkpoint_dir.glob("*.ckpt")) if checkpoint_dir.is_dir() else []
+    if ckpt_path is None:
+        if existing and not overwrite:
+            raise CheckpointError(f"{checkpoint_dir} already holds checkpoints of another run; resume with "
+                                  "ckpt_path=last, choose a new hydra.run.dir, or pass overwrite=true")
+        return None
+    if ckpt_path == "last":
+        last = checkpoint_dir / "last.ckpt"
+        if last.is_file():
+            return str(last)
+        if existing:
+            return str(max(existing, key=lambda p: p.stat().st_mtime))
+        raise CheckpointError(f"ckpt_path=last: no checkpoint in {checkpoint_dir}; "
+                              "set hydra.run.dir to the run you want to resume")
+    if not Path(ckpt_path).is_file():
+        raise CheckpointError(f"ckpt_path={ckpt_path}: no such file; pass an existing .ckpt or ckpt_path=last")
+    return ckpt_path
+
+
+def instantiate_group(group: DictConfig | None) -> list:
+    return [instantiate(c) for c in (group or {}).values() if c is not None]
+
+
+def train(cfg: DictConfig) -> dict[str, float]:
+    """Fit the configured model; return the final ``trainer.callback_metrics`` as floats."""
+    check_config(cfg)
+    checkpoint_dir = Path(cfg.paths.checkpoint_dir)
+    ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), checkpoint_dir, cfg.get("overwrite", False))
+    L.seed_everything(cfg.seed, workers=True)
+    if torch.cuda.is_available():
+        torch.set_float32_matmul_precision("high")
+
+    datamodule = instantiate(cfg.data)
+    model = instantiate(cfg.model)
+    scheduler = instantiate(cfg.scheduler) if cfg.get("scheduler") else None
+    module = instantiate(cfg.module)(model=model, optimizer=instantiate(cfg.optimizer), scheduler=scheduler)
+    callbacks = instantiate_group(cfg.get("callbacks"))
+    loggers = instantiate_group(cfg.get("logger"))
+    trainer: L.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
+    for lg in loggers:
+        lg.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
+
+    if cfg.get("validate_at_start") and ckpt_path is None:
+        trainer.validate(module, datamodule=datamodule, verbose=False)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
+    if trainer.is_global_zero:
+        report(cfg, metrics, loggers)
+    return metrics
+
+
+def report(cfg: DictConfig, metrics: dict[str, float], loggers: list) -> None:
+    out = Path(cfg.paths.output_dir)
+    fmt = lambda k: f"{metrics[k]:.4f}" if k in metrics else "n/a"  # noqa: E731
+    lines = [
+        f"train/loss {fmt('train/loss')}  val/loss {fmt('val/loss')}",
+        f"run dir     {out}",
+        f"config      {out / '.hydra' / 'config.yaml'}",
+        f"tokenizer   {out / 'tokenizer.model'}",
+        f"checkpoints {cfg.paths.checkpoint_dir} (last.ckpt)",
+    ]
+    for lg in loggers:
+        where = getattr(lg, "log_dir", None) or getattr(lg, "save_dir", None)
+        lines.append(f"metrics     {type(lg).__name__}: {where}")
+    print("\n".join(lines), flush=True)
+
+
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
+def main(cfg: DictConfig) -> float | None:
+    try:
+        metrics = train(cfg)
+    except BnlitError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(e.exit_code)
+    return metrics.get(cfg.get("optimized_metric"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""Shared fixtures: one cache dir per test session (tokenizers and shards are built once) and a
+helper that composes the real Hydra config with tiny CPU overrides."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig, open_dict
+
+import bnlit.resolvers  # noqa: F401
+from bnlit import CONF_DIR
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+# tiny, fast and still real: the embedded corpus cut to a few hundred thousand characters
+TINY = [
+    "model=tiny",
+    "model.config.vocab_size=1024",
+    "+data.sources.0.max_docs=20",
+    "data.val_fraction=0.2",
+    "+data.sources.1.max_docs=40",
+    "data.seq_len=64",
+    "data.batch_size=4",
+    "data.num_proc=1",
+    "trainer.max_steps=4",
+    "trainer.val_check_interval=2",
+    "trainer.limit_val_batches=2",
+    "trainer.log_every_n_steps=1",
+    "trainer.enable_progress_bar=false",
+    "trainer.enable_model_summary=false",
+    "callbacks.model_checkpoint.every_n_train_steps=2",
+    "~callbacks.progress_bar",
+    "logger=csv",
+]
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("bnlit_cache")
+    os.environ["BNLIT_CACHE"] = str(d)
+    return d
+
+
+@pytest.fixture
+def make_cfg(cache_dir, tmp_path):
+    """``make_cfg(*overrides)`` -> the composed ``train`` config writing into ``tmp_path/run``."""
+
+    def _make(*overrides: str, run_dir: Path | None = None, tiny: bool = True) -> DictConfig:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose("train", overrides=[*(TINY if tiny else []), *overrides])
+        with open_dict(cfg):
+            cfg.paths.output_dir = str(run_dir or tmp_path / "run")
+            cfg.paths.cache_dir = str(cache_dir)
+        return cfg
+
+    return _make

@@ -1,0 +1,45 @@
+"""Every option of every config group composes; the CPU-runnable ones instantiate."""
+
+from pathlib import Path
+
+import pytest
+from hydra.utils import instantiate
+
+from bnlit import CONF_DIR
+
+GROUPS = ["model", "trainer", "callbacks", "logger", "optimizer", "scheduler", "data", "experiment"]
+
+
+def options(group):
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in options(g)])
+def test_every_option_composes(make_cfg, group, option, tmp_path):
+    extra = []
+    if group == "data" and option == "files":
+        extra = [f"data.sources.0.path={tmp_path}/a.txt", f"data.sources.1.path={tmp_path}/b.txt"]
+    cfg = make_cfg(f"{group}={option}", *extra, tiny=False)
+    assert cfg.model.config.name
+    if group in ("logger", "callbacks"):
+        for node in (cfg[group] or {}).values():
+            instantiate(node)
+    if group in ("optimizer", "scheduler"):
+        instantiate(cfg[group])
+
+
+def test_h100_composes_the_production_setup(make_cfg):
+    cfg = make_cfg("model=400m", "trainer=h100", tiny=False)
+    assert cfg.trainer.precision == "bf16-mixed" and cfg.trainer.accelerator == "gpu"
+    assert cfg.module.compile is True and cfg.module.sdpa_backend == "flash"
+    assert cfg.optimizer.fused is True
+    tokens = cfg.data.batch_size * cfg.trainer.accumulate_grad_batches * cfg.data.seq_len
+    assert cfg.data.seq_len == 2048 and tokens == 524288
+    assert cfg.optimizer.lr == pytest.approx(3e-4)
+
+
+def test_multinode_keeps_the_global_batch(make_cfg):
+    cfg = make_cfg("model=400m", "trainer=multinode", tiny=False)
+    world = cfg.trainer.devices * cfg.trainer.num_nodes
+    assert cfg.trainer.strategy == "ddp"
+    assert world * cfg.data.batch_size * cfg.trainer.accumulate_grad_batches * cfg.data.seq_len == 1 << 20
