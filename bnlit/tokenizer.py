@@ -12,17 +12,23 @@ from __future__ import annotations
 
 import hashlib
 import io
+import logging
 import os
 import string
 import unicodedata
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
+import numpy as np
+
 from bnlit.errors import TokenizerError
+
+log = logging.getLogger(__name__)
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 BANGLA_REQUIRED = "\u09bc\u0964\u0965\u09f3" + "০১২৩৪৫৬৭৮৯"
 REQUIRED_CHARS = BANGLA_REQUIRED + string.digits + string.punctuation + "‘’“”–—…"
+NORMALIZATION_RULES = {"nfc": "identity", "nfkc": "nfkc"}  # bnlit name -> SentencePiece rule
 MAX_LINE_BYTES = 4000  # SentencePiece drops training sentences longer than max_sentence_length (4192 bytes)
 
 
@@ -45,6 +51,45 @@ def training_lines(texts: Iterable[str], max_bytes: int = MAX_LINE_BYTES) -> Ite
                 line = line[cut:].strip()
 
 
+def sample_by_language(
+    lines_by_language: Mapping[str, Sequence[str]], weights: Mapping[str, float] | None, seed: int = 0,
+    with_language: bool = False,
+) -> list[str] | list[tuple[str, str]]:
+    """Tokenizer training lines in which each language has ``weights`` of the characters.
+
+    The total stays the characters available; a language asked for more than it has is repeated
+    (whole passes plus a random subset, which is how SentencePiece sees a higher frequency), one
+    asked for less is subsampled. ``weights=None`` keeps the text as it is. ``with_language``
+    returns ``(language, line)`` pairs.
+    """
+    if not weights:
+        return [(lang, line) if with_language else line
+                for lang, lines in lines_by_language.items() for line in lines]
+    unknown = sorted(set(weights) - set(lines_by_language))
+    missing = sorted(k for k in lines_by_language if weights.get(k, 0) <= 0 and lines_by_language[k])
+    if unknown or any(w < 0 for w in weights.values()):
+        raise TokenizerError(f"tokenizer.lang_weights={dict(weights)}: languages {unknown} have no text "
+                             f"(have {sorted(lines_by_language)}) or a weight is negative")
+    if missing:
+        log.warning("tokenizer.lang_weights gives no weight to %s; their text is left out", missing)
+    rng = np.random.default_rng(seed)
+    total_w = sum(weights.values())
+    total_chars = sum(len(line) for lines in lines_by_language.values() for line in lines)
+    out: list = []
+    for lang, lines in lines_by_language.items():
+        lengths = np.array([len(line) for line in lines], dtype=np.int64)
+        if weights.get(lang, 0) <= 0 or lengths.sum() == 0:
+            continue
+        budget = total_chars * weights[lang] / total_w
+        passes, rest = divmod(budget, float(lengths.sum()))
+        picked = list(lines) * int(passes)
+        order = rng.permutation(len(lines))
+        take = int(np.searchsorted(np.cumsum(lengths[order]), rest))
+        picked += [lines[i] for i in order[:take]]
+        out += [(lang, line) for line in picked] if with_language else picked
+    return [out[i] for i in rng.permutation(len(out))]
+
+
 def train_tokenizer(
     texts: Iterable[str],
     out_path: str | os.PathLike,
@@ -53,12 +98,19 @@ def train_tokenizer(
     character_coverage: float = 0.9999,
     max_sentences: int = 2_000_000,
     num_threads: int | None = None,
+    normalization: str = "nfc",
 ) -> Path:
-    """Train a SentencePiece model on ``texts`` and write it atomically to ``out_path``."""
+    """Train a SentencePiece model on ``texts`` and write it atomically to ``out_path``.
+
+    ``normalization``: ``nfc`` (bnlit's NFC, SentencePiece rule ``identity``) or ``nfkc``
+    (NFC, then SentencePiece's ``nfkc`` rule, stored in the model and applied at encode time).
+    """
     import sentencepiece as spm
 
     if model_type not in ("bpe", "unigram"):
         raise TokenizerError(f"tokenizer.model_type={model_type!r}: use 'bpe' or 'unigram'")
+    if normalization not in NORMALIZATION_RULES:
+        raise TokenizerError(f"tokenizer.normalization={normalization!r}: use one of {sorted(NORMALIZATION_RULES)}")
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     model = io.BytesIO()
@@ -69,7 +121,7 @@ def train_tokenizer(
             vocab_size=vocab_size,
             model_type=model_type,
             character_coverage=character_coverage,
-            normalization_rule_name="identity",
+            normalization_rule_name=NORMALIZATION_RULES[normalization],
             byte_fallback=True,
             split_digits=True,
             allow_whitespace_only_pieces=True,

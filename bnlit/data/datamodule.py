@@ -19,14 +19,16 @@ import numpy as np
 from torch.utils.data import ConcatDataset, DataLoader
 
 from bnlit.data import embedded
-from bnlit.data.dataset import MixtureSampler, PackedWindows
+from bnlit.data.dataset import MixtureSampler, PackedWindows, mixture_counts
 from bnlit.data.shards import build_shards, is_validation, load_index, read_tokens
 from bnlit.data.sources import Source, check_exists, fingerprint, iter_documents
 from bnlit.errors import ConfigError, TokenizerError
-from bnlit.tokenizer import Tokenizer, train_tokenizer
+from bnlit.fertility import by_language, effective_shares, fertility_from_counts, token_weights_for_char_shares
+from bnlit.tokenizer import Tokenizer, sample_by_language, train_tokenizer, training_lines
 
 log = logging.getLogger(__name__)
 TOKENIZER_FILE = "tokenizer.model"
+WEIGHT_UNITS = ("tokens", "chars")
 
 
 class BnDataModule(L.LightningDataModule):
@@ -39,6 +41,9 @@ class BnDataModule(L.LightningDataModule):
     val_fraction: share of each source's documents held out (by content hash) for validation.
     cache_dir: where tokenizers and shards are cached.
     output_dir: the run directory; the tokenizer used is copied there.
+    weight_unit: what ``sources[*].weight`` shares are of: ``tokens`` (sampled windows) or
+        ``chars`` (text; converted at setup into the token weights that deliver those character
+        shares, from each source's characters per token under the run's tokenizer).
     """
 
     def __init__(
@@ -54,6 +59,7 @@ class BnDataModule(L.LightningDataModule):
         pin_memory: bool = False,
         num_proc: int = 1,
         seed: int = 0,
+        weight_unit: str = "tokens",
     ):
         super().__init__()
         if not sources:
@@ -64,6 +70,9 @@ class BnDataModule(L.LightningDataModule):
             raise ConfigError(f"data.sources: names must be unique, got {names}")
         if not 0.0 < val_fraction < 1.0:
             raise ConfigError(f"data.val_fraction={val_fraction}: must be in (0, 1)")
+        if weight_unit not in WEIGHT_UNITS:
+            raise ConfigError(f"data.weight_unit={weight_unit!r}: use one of {list(WEIGHT_UNITS)}")
+        self.weight_unit = weight_unit
         self.tokenizer_cfg = dict(tokenizer)
         self.seq_len, self.batch_size = seq_len, batch_size
         self.cache_dir = Path(cache_dir).expanduser()
@@ -108,14 +117,24 @@ class BnDataModule(L.LightningDataModule):
                 )
             return tok
         spec = {k: cfg.get(k) for k in ("vocab_size", "model_type", "character_coverage")}
+        lang_weights = dict(cfg["lang_weights"]) if cfg.get("lang_weights") else None
+        normalization = cfg.get("normalization") or "nfc"
+        if lang_weights or normalization != "nfc":  # keys of the default recipe stay as they were
+            spec.update(lang_weights=lang_weights, normalization=normalization)
         key = hashlib.sha256(json.dumps([spec, fingerprints, self.val_fraction]).encode()).hexdigest()[:16]
         path = self.cache_dir / "tokenizers" / key / TOKENIZER_FILE
         if not path.is_file():
             log.info("training a %d-token %s tokenizer on the training split", want, spec["model_type"])
             docs = (d for s, p in resolved for d in self._documents(s, p)
                     if not is_validation(d, self.val_fraction))
+            if lang_weights:
+                by_lang: dict[str, list[str]] = {}
+                for s, p in resolved:
+                    by_lang.setdefault(s.language, []).extend(
+                        training_lines(d for d in self._documents(s, p) if not is_validation(d, self.val_fraction)))
+                docs = sample_by_language(by_lang, lang_weights, seed=self.seed)
             train_tokenizer(docs, path, vocab_size=want, model_type=spec["model_type"],
-                            character_coverage=spec["character_coverage"])
+                            character_coverage=spec["character_coverage"], normalization=normalization)
             (path.parent / "sources.json").write_text(json.dumps([s.to_dict() for s, _ in resolved], indent=2))
         return Tokenizer(path)
 
@@ -150,6 +169,7 @@ class BnDataModule(L.LightningDataModule):
         if empty:
             raise ConfigError(f"data.sources: {empty} have fewer than data.seq_len={self.seq_len} + 1 "
                               "training tokens; add text or lower data.seq_len")
+        self._set_mixture()
         self.val_sets = {}
         for lang in self.languages:
             parts = [PackedWindows(read_tokens(self.shard_dir, self.index, s.name, "val"), self.seq_len)
@@ -161,6 +181,35 @@ class BnDataModule(L.LightningDataModule):
         if missing:
             raise ConfigError(f"data.val_fraction={self.val_fraction} holds out fewer than data.seq_len="
                               f"{self.seq_len} + 1 tokens of language {missing}; raise data.val_fraction or add documents")
+
+    def _set_mixture(self) -> None:
+        """Token sampling weights from the configured weights and ``weight_unit``, and the shares
+        they deliver (``self.mixture``, per language, in characters and tokens)."""
+        train = self.split_stats("train")
+        cpt = {s.name: fertility_from_counts(train[s.name]["chars"], train[s.name]["tokens"] - train[s.name]["docs"])
+               for s in self.sources}
+        configured = {s.name: s.weight for s in self.sources}
+        if self.weight_unit == "chars":
+            weights = token_weights_for_char_shares(configured, cpt)
+        else:
+            weights = configured
+        self.sampling_weights = [weights[s.name] for s in self.sources]
+        langs = {s.name: s.language for s in self.sources}
+        counts = mixture_counts([len(d) for d in self.train_sets], self.sampling_weights,
+                                sum(len(d) for d in self.train_sets))
+        tokens, chars = effective_shares(dict(zip(configured, counts)), cpt)
+        total = sum(configured.values())
+        self.mixture = {
+            "unit": self.weight_unit,
+            "chars_per_token": cpt,
+            "sampling_weights": weights,
+            "intended": by_language({k: v / total for k, v in configured.items()}, langs),
+            "tokens": by_language(tokens, langs),
+            "chars": by_language(chars, langs),
+        }
+        for lang, want in self.mixture["intended"].items():
+            log.info("mixture %s: intended %.1f%% of %s; delivers %.1f%% of tokens, %.1f%% of characters",
+                     lang, 100 * want, self.weight_unit, 100 * self.mixture["tokens"][lang], 100 * self.mixture["chars"][lang])
 
     # ---- introspection for callbacks -------------------------------------------------------
     @property
@@ -198,7 +247,7 @@ class BnDataModule(L.LightningDataModule):
         rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
         sampler = MixtureSampler(
             [len(d) for d in self.train_sets],
-            [s.weight for s in self.sources],
+            self.sampling_weights,
             seed=self.seed,
             rank=rank,
             world_size=world,

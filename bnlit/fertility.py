@@ -1,0 +1,275 @@
+"""Tokenizer fertility: how much text one token carries, per language, and what that does to a
+mixture.
+
+A mixture weight is only meaningful in some unit. The sampler draws fixed-length token windows, so
+a weight is natively a *token* share; what a person means by "80% Bangla" is usually an
+*information* (character) share. The two differ by each language's characters per token: with a
+byte-level tokenizer Bangla (2.66 UTF-8 bytes per character) gets ~0.37 characters per token and
+English ~1.0, so a token split of 80/20 is a character split of about 60/40, and an even token
+split hands English almost three quarters of the text. The functions here measure fertility
+(:func:`measure`, :func:`fertility_from_counts`), the token premium of Petrov et al. (2023), convert
+between the two units (:func:`token_weights_for_char_shares`, :func:`effective_shares`) and judge
+the result (:func:`floor_verdicts`, :func:`share_verdicts`); ``scripts/fertility.py`` and
+``callbacks/fertility.py`` are thin wrappers over them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+BYTES = "bytes"
+DEFAULT_FLOORS = {"bn": 2.5}
+DEFAULT_MAX_FACTOR = 1.5
+
+_BENGALI = (0x0980, 0x09FF)
+
+
+@dataclass
+class Fertility:
+    """Counts and ratios for one language's text under one tokenizer."""
+
+    language: str
+    lines: int
+    chars: int
+    bytes: int
+    words: int
+    tokens: int
+    byte_tokens: int
+    unk_tokens: int
+
+    @property
+    def chars_per_token(self) -> float:
+        return self.chars / self.tokens if self.tokens else float("nan")
+
+    @property
+    def bytes_per_token(self) -> float:
+        return self.bytes / self.tokens if self.tokens else float("nan")
+
+    @property
+    def tokens_per_word(self) -> float:
+        return self.tokens / self.words if self.words else float("nan")
+
+    @property
+    def byte_fallback_rate(self) -> float:
+        return self.byte_tokens / self.tokens if self.tokens else float("nan")
+
+    @property
+    def unk_rate(self) -> float:
+        return self.unk_tokens / self.tokens if self.tokens else float("nan")
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "chars_per_token": self.chars_per_token,
+                "bytes_per_token": self.bytes_per_token, "tokens_per_word": self.tokens_per_word,
+                "byte_fallback_rate": self.byte_fallback_rate, "unk_rate": self.unk_rate}
+
+
+def byte_piece_table(tokenizer) -> tuple[np.ndarray, int]:
+    """A boolean array over the vocabulary marking byte-fallback pieces, and the unknown id."""
+    sp = tokenizer.sp
+    return np.array([sp.is_byte(i) for i in range(sp.get_piece_size())], dtype=bool), sp.unk_id()
+
+
+def piece_chars(tokenizer) -> np.ndarray:
+    """Characters each vocabulary id stands for in decoded (normalised) text: a piece's length
+    with ``▁`` as a space, 1 for a byte that starts a UTF-8 character and 0 for a continuation
+    byte or a control id. ``piece_chars(tok)[ids].sum()`` counts the text of any token window
+    exactly, even one cut in the middle of a character."""
+    sp = tokenizer.sp
+    out = np.zeros(sp.get_piece_size(), dtype=np.int64)
+    for i in range(sp.get_piece_size()):
+        if sp.is_byte(i):
+            out[i] = int((int(sp.id_to_piece(i)[3:5], 16) & 0xC0) != 0x80)
+        elif not (sp.is_control(i) or sp.is_unknown(i)):
+            out[i] = len(sp.id_to_piece(i))
+    return out
+
+
+def measure(texts: Sequence[str], tokenizer, language: str = "", num_threads: int = 1) -> Fertility:
+    """Fertility of ``tokenizer`` (a :class:`bnlit.tokenizer.Tokenizer`, or ``"bytes"`` for the raw
+    UTF-8 baseline: one token per byte) on ``texts``. Characters are counted on the text as
+    given, so tokenizers with different normalisations are compared on the same denominator."""
+    texts = [t for t in texts if t]
+    chars = sum(len(t) for t in texts)
+    nbytes = sum(len(t.encode("utf-8")) for t in texts)
+    words = sum(len(t.split()) for t in texts)
+    if tokenizer == BYTES:
+        return Fertility(language, len(texts), chars, nbytes, words, nbytes, nbytes, 0)
+    is_byte, unk = byte_piece_table(tokenizer)
+    ids = tokenizer.encode_batch(list(texts), num_threads=num_threads)
+    flat = np.fromiter((i for doc in ids for i in doc), dtype=np.int64)
+    return Fertility(language, len(texts), chars, nbytes, words, int(flat.size),
+                     int(is_byte[flat].sum()) if flat.size else 0, int((flat == unk).sum()))
+
+
+def fertility_from_counts(chars: int, tokens: int) -> float:
+    """Characters per token from shard-index counts (``tokens`` without the end-of-document ids)."""
+    return chars / tokens if tokens > 0 else float("nan")
+
+
+def token_premium(token_counts: Mapping[str, int], reference: str | None = None) -> dict[str, float]:
+    """Tokenization premium (Petrov et al. 2023, "Language Model Tokenizers Introduce Unfairness
+    Between Languages"): on parallel text, the tokens a language needs divided by the tokens the
+    reference language needs for the same content. The reference is English if present, else the
+    first language."""
+    if not token_counts:
+        return {}
+    ref = reference or ("en" if "en" in token_counts else next(iter(token_counts)))
+    if ref not in token_counts:
+        raise ValueError(f"reference language {ref!r} not among {sorted(token_counts)}")
+    base = token_counts[ref]
+    return {lang: (n / base if base else float("nan")) for lang, n in token_counts.items()}
+
+
+def _normalise(weights: Mapping[str, float]) -> dict[str, float]:
+    total = float(sum(weights.values()))
+    if total <= 0:
+        raise ValueError(f"weights {dict(weights)} must have a positive sum")
+    return {k: float(v) / total for k, v in weights.items()}
+
+
+def token_weights_for_char_shares(char_shares: Mapping[str, float],
+                                  chars_per_token: Mapping[str, float]) -> dict[str, float]:
+    """Token sampling weights that deliver ``char_shares`` of characters: a source whose tokens
+    carry ``c`` characters each must be sampled in proportion to ``share / c``."""
+    bad = [k for k in char_shares if not chars_per_token.get(k, 0) > 0]
+    if bad:
+        raise ValueError(f"sources {bad} have no measured characters per token")
+    return _normalise({k: w / chars_per_token[k] for k, w in char_shares.items()})
+
+
+def effective_shares(token_shares: Mapping[str, float],
+                     chars_per_token: Mapping[str, float]) -> tuple[dict[str, float], dict[str, float]]:
+    """(token shares, character shares) that sampling tokens by ``token_shares`` delivers."""
+    tokens = _normalise(token_shares)
+    return tokens, _normalise({k: t * chars_per_token[k] for k, t in tokens.items()})
+
+
+def by_language(values: Mapping[str, float], languages: Mapping[str, str]) -> dict[str, float]:
+    """Sum per-source ``values`` into per-language totals (``languages``: source -> language)."""
+    out: dict[str, float] = {}
+    for name, v in values.items():
+        out[languages[name]] = out.get(languages[name], 0.0) + v
+    return out
+
+
+def floor_verdicts(chars_per_token: Mapping[str, float],
+                   floors: Mapping[str, float] = DEFAULT_FLOORS) -> list[str]:
+    """One message per language whose characters per token is below its floor."""
+    out = []
+    for lang, floor in floors.items():
+        cpt = chars_per_token.get(lang)
+        if cpt is not None and not cpt >= floor:
+            out.append(
+                f"tokenizer fertility: {lang} gets {cpt:.2f} characters per token, below the floor of "
+                f"{floor:.2f} (UTF-8 bytes alone give {lang} {_byte_cpt_hint(lang)}); the tokenizer barely "
+                f"covers {lang}: retrain it on text that includes {lang} (scripts/train_tokenizer.py "
+                f"--lang-weights, or tokenizer.path=null to train one on data.sources), or lower "
+                f"callbacks.fertility.floors.{lang}")
+    return out
+
+
+def _byte_cpt_hint(lang: str) -> str:
+    return "~0.37 chars/token" if lang == "bn" else "~1 char/token for Latin script"
+
+
+def share_verdicts(intended: Mapping[str, float], token_share: Mapping[str, float],
+                   char_share: Mapping[str, float], chars_per_token: Mapping[str, float] | None = None,
+                   max_factor: float = DEFAULT_MAX_FACTOR, unit: str = "tokens") -> list[str]:
+    """Messages for mixtures whose delivered shares betray the intended ones.
+
+    ``intended`` is the per-language share the config asks for (in ``unit``); the delivered
+    shares are checked in both units. A language is *inverted* when it was meant to get more than
+    another but receives less (in tokens or in characters); it is *over-represented* when it
+    receives more than ``max_factor`` times its intended share.
+    """
+    intended = _normalise(intended)
+    cpt = chars_per_token or {}
+    numbers = lambda lang: (f"intended {100 * intended[lang]:.1f}% ({unit}), delivered "  # noqa: E731
+                            f"{100 * token_share.get(lang, 0):.1f}% of tokens and {100 * char_share.get(lang, 0):.1f}% "
+                            f"of characters" + (f" at {cpt[lang]:.2f} chars/token" if lang in cpt else ""))
+    fix = ("set data.weight_unit=chars so the data module converts character shares into token weights, "
+           "retrain the tokenizer so the languages' fertility is closer, or change data.sources.*.weight")
+    out = []
+    langs = list(intended)
+    for a in langs:
+        for b in langs:
+            if intended[a] > intended[b] + 1e-9:
+                for what, got in (("tokens", token_share), ("characters", char_share)):
+                    if got.get(a, 0.0) < got.get(b, 0.0):
+                        out.append(f"mixture inverted in {what}: {a} was meant to outweigh {b} but gets less "
+                                   f"({a}: {numbers(a)}; {b}: {numbers(b)}); {fix}")
+    for lang in langs:
+        for what, got in (("tokens", token_share), ("characters", char_share)):
+            if intended[lang] > 0 and got.get(lang, 0.0) > max_factor * intended[lang]:
+                out.append(f"mixture over-represents {lang} in {what} by "
+                           f"{got[lang] / intended[lang]:.2f}x (> {max_factor}x): {numbers(lang)}; {fix}")
+    return out
+
+
+def script_ratio(text: str) -> dict[str, float]:
+    """Share of alphabetic characters in the Bengali block and in Latin script."""
+    bengali = latin = letters = 0
+    for ch in text:
+        if ch.isalpha() or _BENGALI[0] <= ord(ch) <= _BENGALI[1]:
+            letters += 1
+            o = ord(ch)
+            if _BENGALI[0] <= o <= _BENGALI[1]:
+                bengali += 1
+            elif o < 0x250:
+                latin += 1
+    return {"bn": bengali / letters if letters else 0.0, "latin": latin / letters if letters else 0.0}
+
+
+def detect_language(text: str, threshold: float = 0.5) -> str:
+    """``bn`` when most letters are Bengali script, ``en`` when most are Latin, else ``und``.
+    A script detector, not a language identifier: Latin-script text is assumed to be English."""
+    r = script_ratio(text)
+    if r["bn"] > threshold:
+        return "bn"
+    if r["latin"] > threshold:
+        return "en"
+    return "und"
+
+
+def mixture_rows(intended: Mapping[str, float], token_share: Mapping[str, float],
+                 char_share: Mapping[str, float]) -> list[list]:
+    """Rows ``[language, intended, tokens, chars]`` (percentages) for a table."""
+    return [[lang, round(100 * intended.get(lang, 0.0), 2), round(100 * token_share.get(lang, 0.0), 2),
+             round(100 * char_share.get(lang, 0.0), 2)] for lang in intended]
+
+
+def read_lines(path, limit: int | None = None) -> list[str]:
+    """Non-empty, stripped lines of a UTF-8 text file (the unit of a line-aligned parallel file)."""
+    from pathlib import Path
+
+    lines = [line.strip() for line in Path(path).read_text(encoding="utf-8").splitlines()]
+    lines = [line for line in lines if line]
+    return lines[:limit] if limit else lines
+
+
+def report(texts_by_language: Mapping[str, Sequence[str]], tokenizer, parallel: bool | None = None,
+           num_threads: int = 1) -> dict[str, dict]:
+    """Per-language fertility dicts; with line-aligned parallel text (same line count everywhere,
+    or ``parallel=True``) each gets ``premium`` relative to English or the first language."""
+    results = {lang: measure(texts, tokenizer, lang, num_threads) for lang, texts in texts_by_language.items()}
+    out = {lang: f.to_dict() for lang, f in results.items()}
+    counts = {len(t) for t in texts_by_language.values()}
+    if parallel is None:
+        parallel = len(texts_by_language) > 1 and len(counts) == 1
+    if parallel:
+        if len(counts) != 1:
+            raise ValueError(f"parallel text needs the same number of lines per language, got "
+                             f"{ {k: len(v) for k, v in texts_by_language.items()} }")
+        for lang, p in token_premium({k: f.tokens for k, f in results.items()}).items():
+            out[lang]["premium"] = p
+    return out
+
+
+def iter_lines(texts: Iterable[str]) -> Iterable[str]:
+    for t in texts:
+        for line in t.splitlines():
+            if line.strip():
+                yield line.strip()

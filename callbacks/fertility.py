@@ -1,0 +1,116 @@
+"""``FertilityCheck``: at fit start, measure each language's characters per token on its held-out
+slice, log it with the mixture's intended and delivered shares, and stop (or warn about) a run
+whose tokenizer starves a language or whose mixture no longer says what the config asked for.
+
+The maths is :mod:`bnlit.fertility`; this callback only reads the data module's shard statistics
+(``split_stats``, ``val_tokens``, ``mixture``), logs, and decides whether to stop."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import lightning as L
+import numpy as np
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+
+from bnlit import fertility
+from bnlit.errors import ConfigError, TokenizerError
+from bnlit.reporting import log_table
+
+ON_FAIL = ("raise", "warn")
+
+
+def validation_fertility(datamodule) -> dict[str, dict]:
+    """Per-language counts and ratios on the held-out slice: characters and tokens from the shard
+    index (end-of-document ids excluded), byte-fallback and unknown rates from the tokens."""
+    is_byte, unk = fertility.byte_piece_table(datamodule.tokenizer)
+    eos = datamodule.tokenizer.eos_id
+    out: dict[str, dict] = {}
+    for name, st in datamodule.split_stats("val").items():
+        e = out.setdefault(st["language"], {"chars": 0, "tokens": 0, "docs": 0})
+        e["chars"] += st["chars"]
+        e["tokens"] += st["tokens"] - st["docs"]
+        e["docs"] += st["docs"]
+    for lang, e in out.items():
+        ids = np.asarray(datamodule.val_tokens(lang), dtype=np.int64)
+        ids = ids[ids != eos]
+        e["chars_per_token"] = fertility.fertility_from_counts(e["chars"], e["tokens"])
+        e["byte_fallback_rate"] = float(is_byte[ids].mean()) if ids.size else float("nan")
+        e["unk_rate"] = float((ids == unk).mean()) if ids.size else float("nan")
+    ref = "en" if "en" in out else next(iter(out), None)
+    for lang, e in out.items():
+        # tokens per character relative to the reference language: the premium a language pays
+        # per unit of text (the held-out slices are not translations of each other, so this is
+        # not the content-matched premium of Petrov et al. 2023; scripts/fertility.py gives that)
+        e["premium"] = out[ref]["chars_per_token"] / e["chars_per_token"] if e["chars_per_token"] else float("nan")
+    return out
+
+
+class FertilityCheck(L.Callback):
+    """Args:
+    floors: minimum characters per token per language (default ``{"bn": 2.5}``; UTF-8 bytes give
+        Bangla ~0.37, a Bangla-aware 8k tokenizer ~3.4).
+    max_factor: a language delivered more than this multiple of its intended share (in tokens or
+        characters) fails the share check.
+    check_shares: run the inverted/over-represented mixture checks.
+    on_fail: ``raise`` (stop the run with a :class:`~bnlit.errors.TokenizerError`) or ``warn``.
+    """
+
+    def __init__(self, floors: Mapping[str, float] | None = None, max_factor: float = fertility.DEFAULT_MAX_FACTOR,
+                 check_shares: bool = True, on_fail: str = "raise"):
+        if on_fail not in ON_FAIL:
+            raise ConfigError(f"callbacks.fertility.on_fail={on_fail!r}: use one of {list(ON_FAIL)}")
+        if max_factor <= 1.0:
+            raise ConfigError(f"callbacks.fertility.max_factor={max_factor}: must be > 1")
+        self.floors = dict(fertility.DEFAULT_FLOORS if floors is None else floors)
+        self.max_factor, self.check_shares, self.on_fail = max_factor, check_shares, on_fail
+        self.result: dict | None = None
+        self.problems: list[str] = []
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        dm = trainer.datamodule
+        if dm is None or not hasattr(dm, "split_stats"):
+            rank_zero_warn("FertilityCheck: no bnlit data module attached; fertility not checked")
+            return
+        val = validation_fertility(dm)
+        mixture = getattr(dm, "mixture", None)
+        problems = fertility.floor_verdicts({k: v["chars_per_token"] for k, v in val.items()}, self.floors)
+        if mixture and self.check_shares:
+            train = dm.split_stats("train").values()
+            langs = {st["language"] for st in train}
+            cpt = {lang: fertility.fertility_from_counts(
+                sum(st["chars"] for st in train if st["language"] == lang),
+                sum(st["tokens"] - st["docs"] for st in train if st["language"] == lang)) for lang in langs}
+            problems += fertility.share_verdicts(mixture["intended"], mixture["tokens"], mixture["chars"], cpt,
+                                                 max_factor=self.max_factor, unit=mixture["unit"])
+        self.result, self.problems = {"validation": val, "mixture": mixture}, problems
+        self._log(trainer, val, mixture)
+        if problems:
+            if self.on_fail == "raise":
+                raise TokenizerError(" | ".join(problems))
+            for p in problems:
+                rank_zero_warn(p)
+        else:
+            rank_zero_info("FertilityCheck: " + ", ".join(f"{k} {v['chars_per_token']:.2f} chars/token"
+                                                          for k, v in val.items()))
+
+    def _log(self, trainer: L.Trainer, val: dict, mixture: dict | None) -> None:
+        metrics = {}
+        for lang, v in val.items():
+            metrics[f"tok/{lang}_chars_per_token"] = v["chars_per_token"]
+            metrics[f"tok/{lang}_premium"] = v["premium"]
+            metrics[f"tok/{lang}_byte_fallback_rate"] = v["byte_fallback_rate"]
+            if mixture:
+                metrics[f"tok/{lang}_intended_share"] = mixture["intended"].get(lang, 0.0)
+                metrics[f"tok/{lang}_token_share"] = mixture["tokens"].get(lang, 0.0)
+                metrics[f"tok/{lang}_char_share"] = mixture["chars"].get(lang, 0.0)
+        if trainer.is_global_zero:
+            for lg in trainer.loggers:
+                lg.log_metrics(metrics, step=trainer.global_step)
+        columns = ["language", "chars_per_token", "premium", "byte_fallback_rate", "unk_rate",
+                   "intended_share", "token_share", "char_share", "weight_unit"]
+        rows = [[lang, v["chars_per_token"], v["premium"], v["byte_fallback_rate"], v["unk_rate"],
+                 *((mixture["intended"].get(lang), mixture["tokens"].get(lang), mixture["chars"].get(lang),
+                    mixture["unit"]) if mixture else (None, None, None, None))]
+                for lang, v in val.items()]
+        log_table(trainer, "tok/fertility", columns, rows)
