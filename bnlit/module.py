@@ -79,7 +79,8 @@ class LMModule(L.LightningModule):
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         x, y = batch
         loss = next_token_loss(self.model(x), y)
-        self.log("train/loss", loss, prog_bar=True)
+        # averaged over ranks (one scalar all-reduce under DDP), so the curve is the global batch's loss
+        self.log("train/loss", loss, prog_bar=True, sync_dist=True)
         if self.trainer.lr_scheduler_configs:
             self.log("train/lr", self.trainer.lr_scheduler_configs[0].scheduler.get_last_lr()[0])
         return loss

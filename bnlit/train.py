@@ -11,12 +11,16 @@ from pathlib import Path
 import hydra
 import lightning as L
 import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 import bnlit.resolvers  # noqa: F401  (registers ${bnlit.*} resolvers)
 from bnlit import CONF_DIR
+from bnlit.ckpt_io import AtomicCheckpointIO
 from bnlit.errors import BnlitError, CheckpointError, ConfigError
+from bnlit.summary import redact, write_summary
 
 log = logging.getLogger("bnlit")
 
@@ -51,8 +55,47 @@ def resolve_ckpt_path(ckpt_path: str | None, checkpoint_dir: Path, overwrite: bo
     return ckpt_path
 
 
-def instantiate_group(group: DictConfig | None) -> list:
-    return [instantiate(c) for c in (group or {}).values() if c is not None]
+def instantiate_group(group: DictConfig | None, wandb_kwargs: dict | None = None) -> list:
+    out = []
+    for c in (group or {}).values():
+        if c is None:
+            continue
+        extra = (wandb_kwargs or {}) if str(c.get("_target_", "")).endswith("WandbLogger") else {}
+        out.append(instantiate(c, **extra))
+    return out
+
+
+MODEL_SHAPE = ("vocab_size", "dim", "n_layer", "n_head", "n_kv_heads", "ffn_multiplier", "multiple_of", "tie_embeddings")
+
+
+def check_resume(cfg: DictConfig, ckpt_path: str, checkpoint: dict) -> None:
+    """Refuse, in one line, a checkpoint whose model shape differs from the configured one."""
+    saved = checkpoint.get("model_config")
+    if not isinstance(saved, dict) or "state_dict" not in checkpoint:
+        raise CheckpointError(f"ckpt_path={ckpt_path}: not a bnlit training checkpoint (no model_config/state_dict); "
+                              "pass a last.ckpt or step*.ckpt written by bnlit.train")
+    want = OmegaConf.to_container(cfg.model.config, resolve=True)
+    diff = [f"{k}={saved.get(k)} (config: {want.get(k)})" for k in MODEL_SHAPE if saved.get(k) != want.get(k)]
+    if diff:
+        raise CheckpointError(f"ckpt_path={ckpt_path} holds a {saved.get('name')} model of another shape: "
+                              f"{', '.join(diff)}; resume with model={saved.get('name')} or start a fresh run")
+
+
+def run_tags(cfg: DictConfig) -> list[str]:
+    """W&B tags: the model preset, the hardware config, the data mixture, then ``cfg.tags``."""
+    choices = HydraConfig.get().runtime.choices if HydraConfig.initialized() else {}
+    trainer = choices.get("trainer") or f"{cfg.trainer.accelerator}x{cfg.trainer.devices}"
+    sources = cfg.data.get("sources") or []
+    total = sum(float(s.get("weight", 1.0)) for s in sources) or 1.0
+    mix = "+".join(f"{s.name}{round(100 * float(s.get('weight', 1.0)) / total)}" for s in sources)
+    return [f"model:{cfg.model.config.name}", f"trainer:{trainer}", f"data:{mix}", *map(str, cfg.get("tags") or [])]
+
+
+def sweep_group() -> str | None:
+    """Runs of one Hydra multirun share a W&B group: the sweep directory's name."""
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+        return Path(HydraConfig.get().sweep.dir).name
+    return None
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
@@ -60,6 +103,12 @@ def train(cfg: DictConfig) -> dict[str, float]:
     check_config(cfg)
     checkpoint_dir = Path(cfg.paths.checkpoint_dir)
     ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), checkpoint_dir, cfg.get("overwrite", False))
+    preloaded = {}
+    if ckpt_path is not None:  # validate before Lightning sees it; AtomicCheckpointIO reuses this load
+        from bnlit.checkpoint import read_checkpoint
+
+        preloaded[ckpt_path] = read_checkpoint(ckpt_path)
+        check_resume(cfg, ckpt_path, preloaded[ckpt_path])
     L.seed_everything(cfg.seed, workers=True)
     if torch.cuda.is_available():
         torch.set_float32_matmul_precision("high")
@@ -69,16 +118,20 @@ def train(cfg: DictConfig) -> dict[str, float]:
     scheduler = instantiate(cfg.scheduler) if cfg.get("scheduler") else None
     module = instantiate(cfg.module)(model=model, optimizer=instantiate(cfg.optimizer), scheduler=scheduler)
     callbacks = instantiate_group(cfg.get("callbacks"))
-    loggers = instantiate_group(cfg.get("logger"))
-    trainer: L.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
+    loggers = instantiate_group(cfg.get("logger"), {"tags": run_tags(cfg), "group": sweep_group()})
+    trainer: L.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False,
+                                     plugins=[AtomicCheckpointIO(preloaded=preloaded)])
     for lg in loggers:
-        lg.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
+        lg.log_hyperparams(redact(OmegaConf.to_container(cfg, resolve=True)))
 
     if cfg.get("validate_at_start") and ckpt_path is None:
         trainer.validate(module, datamodule=datamodule, verbose=False)
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
     if trainer.is_global_zero:
+        for lg in loggers:
+            lg.save()
+        write_summary(Path(cfg.paths.output_dir), metrics)
         report(cfg, metrics, loggers)
     return metrics
 

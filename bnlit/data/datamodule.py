@@ -23,6 +23,7 @@ from bnlit.data.dataset import MixtureSampler, PackedWindows, mixture_counts
 from bnlit.data.shards import build_shards, is_validation, load_index, read_tokens
 from bnlit.data.sources import Source, check_exists, fingerprint, iter_documents
 from bnlit.errors import ConfigError, TokenizerError
+from bnlit.resume import gather_rng_states, resume_start, set_rng_state
 from bnlit.fertility import by_language, effective_shares, fertility_from_counts, token_weights_for_char_shares
 from bnlit.tokenizer import Tokenizer, sample_by_language, train_tokenizer, training_lines
 
@@ -82,6 +83,7 @@ class BnDataModule(L.LightningDataModule):
         self.tokenizer: Tokenizer | None = None
         self.index: dict | None = None
         self.shard_dir: Path | None = None
+        self._resume: dict[str, int] | None = None  # sampler position from a checkpoint
 
     # ---- building -------------------------------------------------------------------------
     def _resolve(self) -> list[tuple[Source, Path | None]]:
@@ -252,11 +254,36 @@ class BnDataModule(L.LightningDataModule):
             rank=rank,
             world_size=world,
         )
+        if self._resume is not None:  # a checkpoint's position, resharded for this world size
+            sampler.start = resume_start(self._resume, world, self.batch_size)
+            if sampler.start >= len(sampler):  # saved right at the end of an epoch
+                sampler.start = 0
+            self._resume = None
         return self._loader(ConcatDataset(self.train_sets), sampler=sampler, drop_last=True)
 
     def val_dataloader(self) -> list[DataLoader]:
         return [self._loader(d) for d in self.val_sets.values()]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"tokenizer_model": self.tokenizer.model_bytes, "tokenizer_sha256": self.tokenizer.sha256,
-                "val_languages": self.val_languages, "seq_len": self.seq_len}
+        state = {"tokenizer_model": self.tokenizer.model_bytes, "tokenizer_sha256": self.tokenizer.sha256,
+                 "val_languages": self.val_languages, "seq_len": self.seq_len}
+        if self.trainer is not None:
+            # Lightning counts the batches this rank consumed in the current epoch, restored ones
+            # included; every rank consumed the same number, so rank zero's count speaks for all
+            batches = self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
+            state["position"] = {"epoch": self.trainer.current_epoch, "samples_per_rank": batches * self.batch_size,
+                                 "world_size": self.trainer.world_size, "batch_size": self.batch_size}
+            state["rng"] = gather_rng_states()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the sampler position and this rank's RNG states from a checkpoint."""
+        if "position" not in state:
+            return
+        world = self.trainer.world_size if self.trainer is not None else 1
+        rank = self.trainer.global_rank if self.trainer is not None else 0
+        resume_start(state["position"], world, self.batch_size)  # refuse an unshardable resume now
+        self._resume = dict(state["position"])
+        rngs = state.get("rng") or []
+        if len(rngs) == world:
+            set_rng_state(rngs[rank])

@@ -60,7 +60,13 @@ def epoch_order(sizes: Sequence[int], weights: Sequence[float], epoch_len: int, 
 
 class MixtureSampler(Sampler[int]):
     """Yields this rank's slice of the epoch order, from ``start`` (samples already consumed by
-    this rank in the current epoch)."""
+    this rank in the current epoch).
+
+    The global order does not depend on ``world_size``: it is computed for all ``epoch_len``
+    samples and cut to a multiple of ``world_size``, so a run resumed on a different number of
+    ranks continues the same order (see :func:`reshard_start`). ``len()`` is the whole epoch's
+    share of this rank even after a resume, because Lightning counts the batches already done.
+    """
 
     def __init__(
         self,
@@ -73,8 +79,8 @@ class MixtureSampler(Sampler[int]):
     ):
         self.sizes, self.weights = list(sizes), list(weights)
         self.seed, self.rank, self.world_size = seed, rank, world_size
-        total = epoch_len if epoch_len is not None else sum(self.sizes)
-        self.epoch_len = total - total % world_size  # every rank gets the same number of samples
+        self.total = epoch_len if epoch_len is not None else sum(self.sizes)
+        self.epoch_len = self.total - self.total % world_size  # every rank gets the same number of samples
         self.epoch = 0
         self.start = 0
 
@@ -82,10 +88,21 @@ class MixtureSampler(Sampler[int]):
         self.epoch = epoch
 
     def __len__(self) -> int:
-        return self.epoch_len // self.world_size - self.start
+        return self.epoch_len // self.world_size
 
     def __iter__(self) -> Iterator[int]:
-        order = epoch_order(self.sizes, self.weights, self.epoch_len, self.seed, self.epoch)
+        order = epoch_order(self.sizes, self.weights, self.total, self.seed, self.epoch)[: self.epoch_len]
         mine = order[self.rank :: self.world_size]
         start, self.start = self.start, 0  # a resumed position applies to one epoch only
         return iter(mine[start:].tolist())
+
+
+def reshard_start(consumed_per_rank: int, old_world: int, new_world: int) -> int:
+    """Per-rank start for ``new_world`` ranks after ``old_world`` ranks each consumed
+    ``consumed_per_rank`` samples of an epoch. Rank ``r`` takes positions ``r, r+W, ...`` of the
+    global order, so together the ranks consumed exactly its first ``consumed_per_rank * old_world``
+    samples; the new ranks continue from there when that count divides evenly."""
+    consumed = consumed_per_rank * old_world
+    if consumed % new_world:
+        raise ValueError(f"{consumed} samples consumed by {old_world} ranks cannot be split evenly over {new_world} ranks")
+    return consumed // new_world

@@ -1,0 +1,130 @@
+"""A run summary for users without W&B: ``<run dir>/summary.md`` with the final value of every
+metric, the tables under ``<run dir>/tables/``, and PNG plots of loss, MFU, fertility and the
+random-twin gap drawn from ``<run dir>/csv/metrics.csv``. Also :func:`redact`, which keeps
+secrets (W&B/HF keys, tokens, passwords) out of every config dump handed to a logger.
+
+``python -m bnlit.summary RUN_DIR`` rewrites the summary of a finished run."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import re
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+SECRET_KEY = re.compile(r"(api_?key|token|secret|password|passwd)$", re.IGNORECASE)
+SECRET_ENV = ("WANDB_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
+REDACTED = "<redacted>"
+
+# plot name -> predicate on a metric key
+PLOTS = {
+    "loss": lambda k: k == "train/loss" or (k.startswith("val/") and k.endswith("loss")),
+    "mfu": lambda k: k == "perf/mfu",
+    "fertility": lambda k: k.startswith("tok/") and k.endswith("chars_per_token"),
+    "twin_gap": lambda k: k.startswith("twin/") and "gap" in k,
+}
+
+
+def redact(obj: Any) -> Any:
+    """A copy of ``obj`` (nested dicts/lists) with secret-looking keys and any value equal to a
+    secret environment variable replaced by ``<redacted>``."""
+    secrets = {os.environ[v] for v in SECRET_ENV if os.environ.get(v)}
+    # a key such as tokenizer.path or token counts is not a secret: only string leaves are checked
+    def walk(x: Any, key: str = "") -> Any:
+        if isinstance(x, Mapping):
+            return {k: walk(v, str(k)) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [walk(v, key) for v in x]
+        if isinstance(x, str) and (x in secrets or (SECRET_KEY.search(key) and x)):
+            return REDACTED
+        return x
+
+    return walk(obj)
+
+
+def read_metrics(csv_path: Path) -> dict[str, list[tuple[int, float]]]:
+    """``{key: [(step, value), ...]}`` from a Lightning CSVLogger file; a step logged twice (a
+    resumed run re-logs the steps after its checkpoint) keeps its last value."""
+    series: dict[str, dict[int, float]] = {}
+    with open(csv_path, newline="") as f:
+        for row in csv.DictReader(f):
+            step = int(float(row.get("step") or 0))
+            for k, v in row.items():
+                if k in ("step", "epoch") or v in ("", None):
+                    continue
+                try:
+                    series.setdefault(k, {})[step] = float(v)
+                except ValueError:
+                    continue
+    return {k: sorted(d.items()) for k, d in series.items()}
+
+
+def plot(series: dict[str, list[tuple[int, float]]], keys: list[str], title: str, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for k in keys:
+        pts = [(s, v) for s, v in series[k] if math.isfinite(v)]
+        ax.plot([s for s, _ in pts], [v for _, v in pts], marker="." if len(pts) < 50 else None, label=k)
+    ax.set_xlabel("step")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def write_summary(run_dir: str | os.PathLike, metrics: Mapping[str, float] | None = None) -> Path:
+    """Write ``summary.md`` and ``plots/*.png`` into ``run_dir``; returns the summary path."""
+    run_dir = Path(run_dir)
+    csv_path = run_dir / "csv" / "metrics.csv"
+    series = read_metrics(csv_path) if csv_path.is_file() else {}
+    final = {k: v[-1][1] for k, v in series.items() if v}
+    final.update(metrics or {})
+    lines = [f"# Run summary: {run_dir.name}", "", f"run dir: `{run_dir}`", ""]
+    if final:
+        lines += ["## Final metrics", "", "| metric | value |", "|---|---|"]
+        lines += [f"| `{k}` | {_fmt(v)} |" for k, v in sorted(final.items())]
+        lines.append("")
+    plots = []
+    for name, wanted in PLOTS.items():
+        keys = sorted(k for k in series if wanted(k))
+        if keys:
+            (run_dir / "plots").mkdir(exist_ok=True)
+            plots.append(plot(series, keys, name.replace("_", " "), run_dir / "plots" / f"{name}.png"))
+    if plots:
+        lines += ["## Plots", ""] + [f"![{p.stem}](plots/{p.name})" for p in plots] + [""]
+    elif not csv_path.is_file():
+        lines += ["No `csv/metrics.csv` in this run (add `logger=csv` or `logger=wandb`, which writes it too).", ""]
+    for table in sorted((run_dir / "tables").glob("*.json")):
+        data = json.loads(table.read_text())
+        cols, rows = data.get("columns", []), data.get("rows", [])
+        lines += [f"## Table `{table.stem}` (step {data.get('step', '?')})", "",
+                  "| " + " | ".join(map(str, cols)) + " |", "|" + "---|" * len(cols)]
+        lines += ["| " + " | ".join(_fmt(v) for v in r) + " |" for r in rows]
+        lines.append("")
+    out = run_dir / "summary.md"
+    tmp = out.with_suffix(".md.tmp")
+    tmp.write_text("\n".join(lines))
+    os.replace(tmp, out)
+    return out
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m bnlit.summary RUN_DIR")
+    print(write_summary(sys.argv[1]))
