@@ -1,0 +1,182 @@
+"""Held-out evaluation: NLL per token, perplexity, bits per character and bits per byte, and the
+randomly initialised twin every trained model is compared against.
+
+NLL per token depends on the tokenizer (a tokenizer with longer pieces has fewer, harder tokens),
+so runs with different tokenizers are compared by **bits per character** or **bits per byte**:
+the text's total NLL in bits divided by its characters or UTF-8 bytes (Gao et al. 2020, The Pile,
+section 5). A freshly initialised model with small logits predicts nearly uniformly, so its NLL
+per token sits near ln(V); the twin's distance from ln(V) is a check of the initialisation.
+
+Text is scored as one token stream ``[eos] doc_1 [eos] doc_2 [eos] ...``, the layout of the
+training shards, so every document token and every end-of-document token is predicted exactly
+once, the first token of a document after an ``eos`` as in training. The stream is cut into
+non-overlapping windows of ``seq_len`` predictions; the last window is shorter, not padded or
+dropped. Windows can be split across ranks; the sums are ``torchmetrics`` states, reduced by sum.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torchmetrics import Metric
+
+from bnlit.model import ModelConfig, Transformer, rope_cache
+
+LN2 = math.log(2.0)
+
+
+@dataclass
+class EvalResult:
+    """Totals of one evaluation. ``chars``/``bytes`` are of the text the tokens encode."""
+
+    nll_sum: float  # nats, summed over every scored token
+    tokens: int
+    chars: int
+    bytes: int
+
+    @property
+    def nll_per_token(self) -> float:
+        return self.nll_sum / self.tokens if self.tokens else float("nan")
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.nll_per_token) if self.tokens else float("nan")
+
+    @property
+    def bits_per_char(self) -> float:
+        return self.nll_sum / LN2 / self.chars if self.chars else float("nan")
+
+    @property
+    def bits_per_byte(self) -> float:
+        return self.nll_sum / LN2 / self.bytes if self.bytes else float("nan")
+
+    def to_dict(self) -> dict[str, float | int]:
+        d = asdict(self)
+        d.update(nll_per_token=self.nll_per_token, perplexity=self.perplexity,
+                 bits_per_char=self.bits_per_char, bits_per_byte=self.bits_per_byte)
+        return d
+
+
+class NLLSum(Metric):
+    """Running sum of token NLL (fp64) and of scored tokens, summed across processes."""
+
+    full_state_update = False
+    higher_is_better = False
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.add_state("nll", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("tokens", default=torch.tensor(0, dtype=torch.int64), dist_reduce_fx="sum")
+
+    def update(self, token_nll: torch.Tensor) -> None:
+        self.nll += token_nll.detach().double().sum()
+        self.tokens += token_nll.numel()
+
+    def compute(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.nll, self.tokens
+
+
+def token_stream(docs: Iterable[Sequence[int]], eos_id: int) -> np.ndarray:
+    """``[eos] doc_1 [eos] doc_2 [eos] ...`` as int64: what :func:`evaluate_stream` scores."""
+    parts = [np.asarray([eos_id], dtype=np.int64)]
+    for d in docs:
+        parts.append(np.asarray(d, dtype=np.int64))
+        parts.append(np.asarray([eos_id], dtype=np.int64))
+    return np.concatenate(parts)
+
+
+def windows(n_tokens: int, seq_len: int) -> list[tuple[int, int]]:
+    """``(start, length)`` of the windows over a stream of ``n_tokens``: inputs are
+    ``stream[start:start+length]``, targets ``stream[start+1:start+length+1]``. Each of the
+    ``n_tokens - 1`` targets is in exactly one window; the last window holds the remainder."""
+    n_targets = max(n_tokens - 1, 0)
+    return [(s, min(seq_len, n_targets - s)) for s in range(0, n_targets, seq_len)]
+
+
+@torch.no_grad()
+def evaluate_stream(
+    model: nn.Module,
+    stream: np.ndarray | torch.Tensor,
+    seq_len: int,
+    batch_size: int = 8,
+    device: torch.device | str | None = None,
+    rank: int = 0,
+    world_size: int = 1,
+    metric: NLLSum | None = None,
+) -> tuple[float, int]:
+    """Summed NLL (nats) and number of scored tokens of ``stream`` under ``model``.
+
+    ``model(idx)`` must return logits ``(B, T, V)``. This rank scores windows ``rank::world_size``;
+    pass a shared ``metric`` to accumulate across calls, and its ``compute()`` sums over ranks.
+    The caller sets eval mode and any autocast; gradients are off here.
+    """
+    device = torch.device(device) if device is not None else next(model.parameters()).device
+    stream = torch.as_tensor(np.asarray(stream, dtype=np.int64))
+    metric = metric if metric is not None else NLLSum()
+    metric = metric.to(device)
+    spans = windows(len(stream), seq_len)[rank::world_size]
+    # group equal lengths so the short last window is its own batch and nothing is padded
+    for length in sorted({n for _, n in spans}, reverse=True):
+        starts = [s for s, n in spans if n == length]
+        for i in range(0, len(starts), batch_size):
+            chunk = starts[i:i + batch_size]
+            x = torch.stack([stream[s:s + length] for s in chunk]).to(device)
+            y = torch.stack([stream[s + 1:s + length + 1] for s in chunk]).to(device)
+            logits = model(x)
+            metric.update(F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none"))
+    nll, tokens = metric.compute()
+    return float(nll), int(tokens)
+
+
+def evaluate_documents(
+    model: nn.Module,
+    tokenizer,
+    docs: Sequence[str],
+    seq_len: int,
+    batch_size: int = 8,
+    device: torch.device | str | None = None,
+) -> EvalResult:
+    """Score whole documents: tokens include one ``eos`` per document; characters and bytes are
+    of the documents' text (the convention of the shard index)."""
+    stream = token_stream(tokenizer.encode_batch(list(docs)), tokenizer.eos_id)
+    nll, tokens = evaluate_stream(model, stream, seq_len, batch_size, device)
+    return EvalResult(nll, tokens, sum(len(d) for d in docs), sum(len(d.encode("utf-8")) for d in docs))
+
+
+def uniform_nll(vocab_size: int) -> float:
+    """NLL per token of the uniform predictor: ln(V)."""
+    return math.log(vocab_size)
+
+
+def empty_transformer(cfg: ModelConfig, device: torch.device | str = "cpu") -> Transformer:
+    """A :class:`Transformer` with uninitialised weights, built on the meta device so that no
+    random number is drawn and no time is spent on an init that is about to be overwritten."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.to_empty(device=device)
+    if cfg.tie_embeddings:  # to_empty gives each module its own tensor
+        model.output.weight = model.tok_embeddings.weight
+    cos, sin = rope_cache(cfg.max_seq_len, cfg.head_dim, cfg.rope_theta)
+    model.rope_cos.copy_(cos)
+    model.rope_sin.copy_(sin)
+    return model
+
+
+def twin_model(model_or_cfg: nn.Module | ModelConfig, seed: int = 0, device: torch.device | str = "cpu") -> Transformer:
+    """A freshly initialised model of the same architecture, its weights a function of ``seed``
+    alone (a private generator: the global RNG streams are neither read nor advanced).
+
+    The init is drawn on the CPU and moved to ``device``, so the twin is the same on any machine.
+    """
+    cfg = model_or_cfg if isinstance(model_or_cfg, ModelConfig) else model_or_cfg.config
+    cfg = ModelConfig(**cfg.to_dict())
+    twin = empty_transformer(cfg, "cpu")
+    twin.reset_parameters(generator=torch.Generator(device="cpu").manual_seed(seed))
+    twin.requires_grad_(False)
+    return twin.to(device).eval()
