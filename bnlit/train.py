@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import bnlit.resolvers  # noqa: F401  (registers ${bnlit.*} resolvers)
 from bnlit import CONF_DIR
+from bnlit.checkpoint import read_checkpoint
 from bnlit.ckpt_io import AtomicCheckpointIO
 from bnlit.errors import BnlitError, CheckpointError, ConfigError
 from bnlit.summary import redact, write_summary
@@ -70,11 +71,8 @@ MODEL_SHAPE = ("vocab_size", "dim", "n_layer", "n_head", "n_kv_heads", "ffn_mult
 
 def check_resume(cfg: DictConfig, ckpt_path: str, checkpoint: dict) -> None:
     """Refuse, in one line, a checkpoint whose model shape differs from the configured one."""
-    saved = checkpoint.get("model_config")
-    if not isinstance(saved, dict) or "state_dict" not in checkpoint:
-        raise CheckpointError(f"ckpt_path={ckpt_path}: not a bnlit training checkpoint (no model_config/state_dict); "
-                              "pass a last.ckpt or step*.ckpt written by bnlit.train")
-    want = OmegaConf.to_container(cfg.model.config, resolve=True)
+    saved = checkpoint["model_config"]  # read_checkpoint made sure it is there
+    want = instantiate(cfg.model.config).to_dict()  # with the dataclass defaults filled in
     diff = [f"{k}={saved.get(k)} (config: {want.get(k)})" for k in MODEL_SHAPE if saved.get(k) != want.get(k)]
     if diff:
         raise CheckpointError(f"ckpt_path={ckpt_path} holds a {saved.get('name')} model of another shape: "
@@ -105,8 +103,6 @@ def train(cfg: DictConfig) -> dict[str, float]:
     ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), checkpoint_dir, cfg.get("overwrite", False))
     preloaded = {}
     if ckpt_path is not None:  # validate before Lightning sees it; AtomicCheckpointIO reuses this load
-        from bnlit.checkpoint import read_checkpoint
-
         preloaded[ckpt_path] = read_checkpoint(ckpt_path)
         check_resume(cfg, ckpt_path, preloaded[ckpt_path])
     L.seed_everything(cfg.seed, workers=True)

@@ -70,20 +70,21 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path, cache_dir):
     assert {s: expected[s] for s in got} == got  # exact float equality, every later step
 
 
-def test_resume_reuses_the_validated_load_and_restores_the_position(make_cfg, tmp_path):
-    cfg = make_cfg("trainer.max_steps=3")
+def test_position_is_checkpointed_and_a_changed_global_batch_is_refused(make_cfg, tmp_path):
+    cfg = make_cfg()  # 4 steps of 4 windows, a checkpoint every 2 steps
     train(cfg)
     last = Path(cfg.paths.checkpoint_dir) / "last.ckpt"
     ckpt = torch.load(last, weights_only=True)
     state = ckpt["BnDataModule"]
-    assert state["position"] == {"epoch": 0, "samples_per_rank": 3 * 4, "world_size": 1, "batch_size": 4}
+    assert ckpt["global_step"] == 4
+    assert state["position"] == {"epoch": 0, "samples_per_rank": 4 * 4, "world_size": 1, "batch_size": 4}
     assert len(state["rng"]) == 1 and state["rng"][0]["torch"].dtype == torch.uint8
     assert "tokenizer_model" in state and "tokenizer_sha256" in state
     # a larger per-rank batch on the same single rank changes the global batch: refused in one line
     with pytest.raises(CheckpointError, match=r"1 ranks x data.batch_size=4; this run has 1 x 8; resume with "
                                               r"the same global batch \(ranks x data.batch_size = 4\)"):
-        train(make_cfg("trainer.max_steps=5", "data.batch_size=8", "ckpt_path=last", run_dir=Path(cfg.paths.output_dir)))
-    assert torch.load(last, weights_only=True)["global_step"] == 3  # untouched
+        train(make_cfg("trainer.max_steps=6", "data.batch_size=8", "ckpt_path=last", run_dir=Path(cfg.paths.output_dir)))
+    assert torch.load(last, weights_only=True)["global_step"] == 4  # untouched
 
 
 def test_resume_start_reshards_only_with_the_same_global_batch():
