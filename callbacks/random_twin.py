@@ -1,0 +1,228 @@
+"""``RandomTwinNLL``: the trained model against a freshly initialised twin of the same architecture
+and tokenizer, on each language's held-out slice, in NLL per token and bits per character.
+
+The twin answers two questions a loss curve alone does not: did the model learn anything (the
+trained NLL must fall below the twin's), and is the initialisation sane (a well-initialised model
+predicts nearly uniformly, so the twin's NLL sits near ln(V)). The maths is :mod:`bnlit.evaluation`;
+this callback picks the slice, chooses when to evaluate, logs and warns. The twin is built and
+scored once (it never changes); the trained model is scored at every ``every_n_validations``-th
+validation and at the end of training, when the table is printed and logged (``twin/table``).
+
+Nothing here touches the training RNG streams (the twin has its own generator, evaluation draws
+no random numbers and runs inside ``fork_rng`` all the same) or leaves the model in another mode.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+
+import lightning as L
+import numpy as np
+import torch
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_warn
+
+from bnlit.errors import ConfigError
+from bnlit.evaluation import EvalResult, NLLSum, evaluate_stream, twin_model, uniform_nll
+from bnlit.reporting import log_table
+
+log = logging.getLogger(__name__)
+
+
+def documents_prefix(tokens: np.ndarray, eos_id: int, max_tokens: int | None) -> tuple[np.ndarray, bool]:
+    """The longest run of whole documents (each ending in ``eos``) within ``max_tokens`` of a
+    held-out stream, and whether that is the whole stream. When even the first document is
+    longer, its first ``max_tokens`` tokens."""
+    tokens = np.asarray(tokens)
+    if max_tokens is None or len(tokens) <= max_tokens:
+        return tokens, True
+    ends = np.flatnonzero(tokens[:max_tokens] == eos_id)
+    cut = int(ends[-1]) + 1 if ends.size else max_tokens
+    return tokens[:cut], False
+
+
+def text_size(tokens: np.ndarray, tokenizer, eos_id: int) -> tuple[int, int]:
+    """Characters and UTF-8 bytes of the text that ``tokens`` decode to (documents split at eos)."""
+    ids = np.asarray(tokens).tolist()
+    chars = nbytes = 0
+    start = 0
+    for i, t in enumerate(ids + [eos_id]):
+        if t == eos_id:
+            if i > start:
+                text = tokenizer.decode(ids[start:i])
+                chars, nbytes = chars + len(text), nbytes + len(text.encode("utf-8"))
+            start = i + 1
+    return chars, nbytes
+
+
+def twin_verdicts(results: dict[str, dict[str, EvalResult]], vocab_size: int, step: int,
+                  init_tolerance: float, learning_after_steps: int) -> list[str]:
+    """Warnings: a twin further than ``init_tolerance`` (relative) from ln(V), and a trained model
+    not below its twin once ``step >= learning_after_steps``."""
+    out, ln_v = [], uniform_nll(vocab_size)
+    for lang, r in results.items():
+        twin = r["twin"].nll_per_token
+        if abs(twin / ln_v - 1.0) > init_tolerance:
+            out.append(f"twin/{lang}: the randomly initialised twin has NLL {twin:.3f}/token, "
+                       f"{twin / ln_v:.2f}x ln(V)={ln_v:.3f} (tolerance {init_tolerance:.0%}); the init is "
+                       "not near-uniform: check model.config.init_std and the residual scaling")
+        trained = r.get("trained")
+        if trained is not None and step >= learning_after_steps and not trained.nll_per_token < twin:
+            out.append(f"twin/{lang}: after {step} steps the trained model's NLL {trained.nll_per_token:.3f}/token "
+                       f"is not below its random twin's {twin:.3f}; the run is not learning "
+                       "(check optimizer.lr, the data and grad/ metrics)")
+    return out
+
+
+def format_table(results: dict[str, dict[str, EvalResult]], vocab_size: int, step: int) -> str:
+    """The trained-vs-twin table as fixed-width text."""
+    head = (f"{'lang':<6}{'tokens':>9}{'chars':>10}{'trained nll/tok':>17}{'twin nll/tok':>14}"
+            f"{'gap':>8}{'trained bits/char':>19}{'twin bits/char':>16}")
+    lines = [f"random twin (step {step}, vocab {vocab_size}, ln(V)={uniform_nll(vocab_size):.3f}):", head]
+    for lang, r in results.items():
+        t, w = r["trained"], r["twin"]
+        lines.append(f"{lang:<6}{t.tokens:>9}{t.chars:>10}{t.nll_per_token:>17.4f}{w.nll_per_token:>14.4f}"
+                     f"{w.nll_per_token - t.nll_per_token:>8.3f}{t.bits_per_char:>19.4f}{w.bits_per_char:>16.4f}")
+    return "\n".join(lines)
+
+
+class RandomTwinNLL(L.Callback):
+    """Args:
+    max_tokens: per-language budget of held-out tokens scored (whole documents up to it);
+        ``None`` scores the whole slice.
+    every_n_validations: score the trained model at every n-th validation (0: only at the end).
+    seed: the twin's init seed.
+    batch_size: windows per forward.
+    init_tolerance: warn when the twin's NLL is further than this (relative) from ln(V).
+    learning_after_steps: from this step on, warn when the trained model is not below its twin.
+    languages: the languages to score (default: every validation language).
+    """
+
+    def __init__(self, max_tokens: int | None = 16384, every_n_validations: int = 1, seed: int = 1234,
+                 batch_size: int = 8, init_tolerance: float = 0.15, learning_after_steps: int = 100,
+                 languages: Sequence[str] | None = None):
+        if max_tokens is not None and max_tokens < 2:
+            raise ConfigError(f"callbacks.random_twin.max_tokens={max_tokens}: must be >= 2 or null (whole slice)")
+        if every_n_validations < 0 or batch_size < 1 or init_tolerance <= 0:
+            raise ConfigError("callbacks.random_twin: every_n_validations must be >= 0, batch_size >= 1 "
+                              "and init_tolerance > 0")
+        self.max_tokens, self.every_n, self.seed = max_tokens, every_n_validations, seed
+        self.batch_size, self.init_tolerance = batch_size, init_tolerance
+        self.learning_after_steps = learning_after_steps
+        self.languages = list(languages) if languages else None
+        self._slices: dict[str, tuple[np.ndarray, int, int]] | None = None
+        self._twin: dict[str, EvalResult] = {}
+        self._validations = 0
+        self._last_step = -1
+        self.results: dict[str, dict[str, EvalResult]] = {}
+        self.verdicts: list[str] = []
+
+    # ---- building -------------------------------------------------------------------------
+    def _prepare(self, trainer: L.Trainer, pl_module: L.LightningModule) -> bool:
+        if self._slices is not None:
+            return bool(self._slices)
+        self._slices = {}
+        dm = trainer.datamodule
+        if dm is None or not hasattr(dm, "val_tokens"):
+            rank_zero_warn("RandomTwinNLL: no bnlit data module attached; the random twin is not evaluated")
+            return False
+        tok, eos = dm.tokenizer, dm.tokenizer.eos_id
+        stats = dm.split_stats("val")
+        langs = self.languages or dm.val_languages
+        unknown = sorted(set(langs) - set(dm.val_languages))
+        if unknown:
+            raise ConfigError(f"callbacks.random_twin.languages: {unknown} have no validation slice "
+                              f"(have {dm.val_languages})")
+        for lang in langs:
+            tokens, whole = documents_prefix(dm.val_tokens(lang), eos, self.max_tokens)
+            if whole:  # the index counts the source text itself
+                chars = sum(s["chars"] for s in stats.values() if s["language"] == lang)
+                nbytes = sum(s["bytes"] for s in stats.values() if s["language"] == lang)
+            else:
+                chars, nbytes = text_size(tokens, tok, eos)
+            stream = np.concatenate([np.asarray([eos], dtype=np.int64), tokens.astype(np.int64)])
+            self._slices[lang] = (stream, chars, nbytes)
+        self.seq_len = dm.seq_len
+        model = pl_module.model
+        dtype = next(model.parameters()).dtype
+        twin = twin_model(model, self.seed).to(device=pl_module.device, dtype=dtype)
+        self.vocab_size = model.config.vocab_size
+        self._twin = self._score(trainer, twin)
+        del twin
+        return True
+
+    def _score(self, trainer: L.Trainer, model: torch.nn.Module) -> dict[str, EvalResult]:
+        was_training = model.training
+        devices = [model_device.index] if (model_device := next(model.parameters()).device).type == "cuda" else []
+        model.eval()
+        try:
+            with torch.random.fork_rng(devices=devices), torch.no_grad(), \
+                    trainer.strategy.precision_plugin.forward_context():
+                out = {}
+                for lang, (stream, chars, nbytes) in self._slices.items():
+                    nll, tokens = evaluate_stream(model, stream, self.seq_len, self.batch_size, model_device,
+                                                  rank=trainer.global_rank, world_size=trainer.world_size,
+                                                  metric=NLLSum())
+                    out[lang] = EvalResult(nll, tokens, chars, nbytes)
+        finally:
+            model.train(was_training)
+        return out
+
+    # ---- hooks ------------------------------------------------------------------------------
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING:
+            return
+        self._validations += 1
+        if self.every_n and self._validations % self.every_n == 0:
+            self._evaluate(trainer, pl_module)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._last_step != trainer.global_step:
+            self._evaluate(trainer, pl_module)
+        if not self.results:
+            return
+        if trainer.is_global_zero:
+            log.info("%s", format_table(self.results, self.vocab_size, trainer.global_step))
+        columns = ["language", "tokens", "chars", "trained_nll_per_token", "twin_nll_per_token", "nll_gap",
+                   "trained_bits_per_char", "twin_bits_per_char", "trained_bits_per_byte", "twin_bits_per_byte"]
+        rows = [[lang, r["trained"].tokens, r["trained"].chars, r["trained"].nll_per_token, r["twin"].nll_per_token,
+                 r["twin"].nll_per_token - r["trained"].nll_per_token, r["trained"].bits_per_char,
+                 r["twin"].bits_per_char, r["trained"].bits_per_byte, r["twin"].bits_per_byte]
+                for lang, r in self.results.items()]
+        log_table(trainer, "twin/table", columns, rows)
+
+    def _evaluate(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not self._prepare(trainer, pl_module):
+            return
+        trained = self._score(trainer, pl_module.model)
+        self.results = {lang: {"trained": trained[lang], "twin": self._twin[lang]} for lang in trained}
+        self._last_step = trainer.global_step
+        metrics = self.metrics()
+        for k, v in metrics.items():
+            trainer.callback_metrics[k] = torch.tensor(v)
+        if trainer.is_global_zero:
+            for lg in trainer.loggers:
+                lg.log_metrics(metrics, step=trainer.global_step)
+        self.verdicts = twin_verdicts(self.results, self.vocab_size, trainer.global_step,
+                                      self.init_tolerance, self.learning_after_steps)
+        for v in self.verdicts:
+            rank_zero_warn(v)
+
+    def metrics(self) -> dict[str, float]:
+        ln_v = uniform_nll(self.vocab_size)
+        out = {}
+        for lang, r in self.results.items():
+            t, w = r["trained"], r["twin"]
+            out.update({
+                f"twin/{lang}_nll": w.nll_per_token,
+                f"twin/{lang}_bits_per_char": w.bits_per_char,
+                f"twin/{lang}_bits_per_byte": w.bits_per_byte,
+                f"twin/{lang}_nll_over_ln_vocab": w.nll_per_token / ln_v,
+                f"twin/{lang}_trained_nll": t.nll_per_token,
+                f"twin/{lang}_trained_bits_per_char": t.bits_per_char,
+                f"twin/{lang}_trained_bits_per_byte": t.bits_per_byte,
+                f"twin/{lang}_nll_gap": w.nll_per_token - t.nll_per_token,
+            })
+        return {k: v for k, v in out.items() if not math.isnan(v)}
