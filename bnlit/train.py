@@ -4,6 +4,7 @@ a thin Hydra wrapper that turns :class:`~bnlit.errors.BnlitError` into one line 
 
 from __future__ import annotations
 
+import errno
 import logging
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ import hydra
 import lightning as L
 import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import InstantiationException
 from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
@@ -155,7 +157,25 @@ def main(cfg: DictConfig) -> float | None:
     except BnlitError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(e.exit_code)
+    except InstantiationException as e:  # a constructor's BnlitError, wrapped by hydra.utils.instantiate
+        cause = e.__cause__
+        if not isinstance(cause, BnlitError):
+            raise
+        print(f"error: {cause}", file=sys.stderr, flush=True)
+        sys.exit(cause.exit_code)
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        print(f"error: {disk_full_message(e, cfg)}", file=sys.stderr, flush=True)
+        sys.exit(2)
     return metrics.get(cfg.get("optimized_metric"))
+
+
+def disk_full_message(e: OSError, cfg: DictConfig) -> str:
+    where = f" writing {e.filename}" if e.filename else ""
+    return (f"no space left on device{where}; free space under paths.cache_dir={cfg.paths.cache_dir} or "
+            f"paths.output_dir={cfg.paths.output_dir} and rerun (shards and checkpoints are written to a "
+            "temporary name and renamed, so earlier ones are intact)")
 
 
 if __name__ == "__main__":

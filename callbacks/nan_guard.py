@@ -15,6 +15,7 @@ from typing import Any
 import lightning as L
 import torch
 
+from bnlit.errors import ConfigError
 from bnlit.guard import POLICIES, DivergenceError, SkipBudget, SpikeTracker, verdict
 
 log = logging.getLogger("bnlit")
@@ -33,7 +34,7 @@ class NaNGuard(L.Callback):
     def __init__(self, policy: str = "halt", max_skips: int = 10, spike_factor: float | None = 3.0,
                  spike_warmup: int = 20, ema_beta: float = 0.98, check_grads: bool = True):
         if policy not in POLICIES:
-            raise ValueError(f"callbacks.nan_guard.policy={policy!r}: use one of {list(POLICIES)}")
+            raise ConfigError(f"callbacks.nan_guard.policy={policy!r}: use one of {list(POLICIES)}")
         self.policy, self.check_grads = policy, check_grads
         self.tracker = SpikeTracker(factor=spike_factor, beta=ema_beta, warmup=spike_warmup)
         self.budget = SkipBudget(max_skips=max_skips)

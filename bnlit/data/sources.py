@@ -161,6 +161,12 @@ def _load_hub(source: Source, cache_dir: str | None):
         # a hub dataset already in the local cache still loads offline; otherwise fail fast
         os.environ["HF_DATASETS_OFFLINE"] = "1"
         os.environ["HF_HUB_OFFLINE"] = "1"
+        # both libraries read the variables once, at import: without these, load_dataset retries
+        # the unreachable host for ~30 s before failing
+        import huggingface_hub.constants
+
+        datasets.config.HF_HUB_OFFLINE = True
+        huggingface_hub.constants.HF_HUB_OFFLINE = True
         try:
             return datasets.load_dataset(source.hub_id, source.hub_config, split=source.split,
                                          cache_dir=cache_dir, streaming=source.streaming)
