@@ -81,7 +81,11 @@ class LMModule(L.LightningModule):
         loss = next_token_loss(self.model(x), y)
         # averaged over ranks (one scalar all-reduce under DDP), so the curve is the global batch's loss
         self.log("train/loss", loss, prog_bar=True, sync_dist=True)
-        if self.trainer.lr_scheduler_configs:
+        # a float passed to self.log becomes a device tensor, a copy that waits for the CUDA
+        # stream: log the LR only on the steps the Trainer writes logs (global_step + 1 is
+        # Lightning's own test of ``log_every_n_steps`` during training_step)
+        every = self.trainer.log_every_n_steps
+        if self.trainer.lr_scheduler_configs and every and (self.global_step + 1) % every == 0:
             self.log("train/lr", self.trainer.lr_scheduler_configs[0].scheduler.get_last_lr()[0])
         return loss
 

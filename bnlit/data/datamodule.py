@@ -45,6 +45,7 @@ class BnDataModule(L.LightningDataModule):
     weight_unit: what ``sources[*].weight`` shares are of: ``tokens`` (sampled windows) or
         ``chars`` (text; converted at setup into the token weights that deliver those character
         shares, from each source's characters per token under the run's tokenizer).
+    prefetch_factor: batches each loader worker prepares ahead (None: torch's default).
     """
 
     def __init__(
@@ -61,6 +62,7 @@ class BnDataModule(L.LightningDataModule):
         num_proc: int = 1,
         seed: int = 0,
         weight_unit: str = "tokens",
+        prefetch_factor: int | None = None,
     ):
         super().__init__()
         if not sources:
@@ -80,6 +82,7 @@ class BnDataModule(L.LightningDataModule):
         self.output_dir = Path(output_dir) if output_dir else None
         self.val_fraction, self.seed = val_fraction, seed
         self.num_workers, self.pin_memory, self.num_proc = num_workers, pin_memory, num_proc
+        self.prefetch_factor = prefetch_factor
         self.tokenizer: Tokenizer | None = None
         self.index: dict | None = None
         self.shard_dir: Path | None = None
@@ -243,6 +246,8 @@ class BnDataModule(L.LightningDataModule):
             num_workers=self.num_workers,
             pin_memory=self.pin_memory,
             persistent_workers=self.num_workers > 0,
+            # batches each worker keeps ready (torch's default, 2, when None); workers only
+            prefetch_factor=self.prefetch_factor if self.num_workers > 0 else None,
         )
 
     def train_dataloader(self) -> DataLoader:

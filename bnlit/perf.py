@@ -1,0 +1,250 @@
+"""Throughput and MFU bookkeeping, apart from the model (torchtitan's split).
+
+``mfu = flops_per_token * tokens_per_s / peak_flops`` (Chowdhery et al. 2022, PaLM, appendix B):
+model FLOPs per token come from :func:`bnlit.flops.flops_per_token`, the peak from a table of
+**dense** bf16 tensor-core figures (the datasheets print the 2:4-sparse figure first; the dense one
+is half of it). A device the table does not know, and the CPU, are measured instead: the best
+rate of a large matmul in the training dtype, labelled ``measured`` wherever it is reported.
+Nothing here touches a Trainer; :mod:`callbacks.throughput` is the adapter.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True)
+class DevicePeak:
+    """A datasheet peak. ``pattern`` is matched against the normalised device name."""
+
+    key: str
+    pattern: str
+    bf16_flops: float  # dense (no 2:4 sparsity), FP32 accumulate where the sheet distinguishes
+    source: str
+
+
+_H100 = "NVIDIA H100 Tensor Core GPU datasheet, https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet"
+_H200 = "NVIDIA H200 datasheet, https://nvdam.widen.net/s/nb5zzzsjdf/hpc-datasheet-sc23-h200-datasheet-3002446"
+_A100 = ("NVIDIA A100 datasheet (40/80 GB, SXM and PCIe alike), https://www.nvidia.com/content/dam/en-zz/Solutions/"
+         "Data-Center/a100/pdf/nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf")
+_A10 = "NVIDIA A10 datasheet, https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a10/pdf/a10-datasheet.pdf"
+
+# Most specific first: "h100 nvl" before "h100", "l40s" before "l40"; the patterns match whole words
+# of the normalised name, so "l4" never matches "l40s" and "a10" never matches "a100".
+PEAKS: tuple[DevicePeak, ...] = (
+    DevicePeak("b200", r"\bb200\b", 4500e12 / 2,
+               "NVIDIA HGX B200 specifications (4.5 PFLOP/s sparse per GPU), https://www.nvidia.com/en-us/data-center/hgx/"),
+    DevicePeak("gh200", r"\bgh200\b", 1979e12 / 2,
+               "NVIDIA GH200 Grace Hopper datasheet (1,979 TFLOP/s sparse), https://resources.nvidia.com/en-us-grace-cpu/grace-hopper-superchip"),
+    DevicePeak("h200-nvl", r"\bh200\b.*\bnvl\b", 1671e12 / 2, _H200 + " (H200 NVL: 1,671 TFLOP/s sparse)"),
+    DevicePeak("h200-sxm", r"\bh200\b", 1979e12 / 2, _H200 + " (H200 SXM: 1,979 TFLOP/s sparse)"),
+    DevicePeak("h100-nvl", r"\bh100\b.*\bnvl\b", 1671e12 / 2, _H100 + " (H100 NVL: 1,671 TFLOP/s sparse)"),
+    DevicePeak("h100-pcie", r"\bh100\b.*\b(pcie|hbm2e)\b", 1513e12 / 2, _H100 + " (H100 PCIe: 1,513 TFLOP/s sparse)"),
+    # "NVIDIA H100 80GB HBM3" is the SXM5 part; a name without a form factor is taken as SXM too
+    DevicePeak("h100-sxm", r"\bh100\b", 1979e12 / 2, _H100 + " (H100 SXM: 1,979 TFLOP/s sparse)"),
+    DevicePeak("a100", r"\ba100\b", 312e12, _A100 + " (BF16 312 TFLOP/s dense)"),
+    DevicePeak("a30", r"\ba30\b", 165e12,
+               "NVIDIA A30 datasheet (BF16 165 TFLOP/s dense), https://www.nvidia.com/en-us/data-center/products/a30-gpu/"),
+    DevicePeak("a40", r"\ba40\b", 149.7e12,
+               "NVIDIA A40 datasheet (BF16 149.7 TFLOP/s dense), https://images.nvidia.com/content/Solutions/data-center/a40/nvidia-a40-datasheet.pdf"),
+    DevicePeak("l40s", r"\bl40s\b", 362.05e12,
+               "NVIDIA L40S datasheet (BF16 362.05 TFLOP/s dense), https://resources.nvidia.com/en-us-l40s/l40s-datasheet-28413"),
+    DevicePeak("l40", r"\bl40\b", 181.05e12,
+               "NVIDIA L40 datasheet (BF16 181.05 TFLOP/s dense), https://images.nvidia.com/content/Solutions/data-center/vgpu-L40-datasheet.pdf"),
+    DevicePeak("l4", r"\bl4\b", 242e12 / 2,
+               "NVIDIA L4 datasheet (BF16 242 TFLOP/s sparse), https://resources.nvidia.com/en-us-data-center-overview/l4-gpu-datasheet"),
+    # AWS's A10G has no NVIDIA datasheet of its own; the A10's figure is used, as Lightning does
+    DevicePeak("a10g", r"\ba10g\b", 125e12, _A10 + " (A10 BF16 125 TFLOP/s dense; no A10G sheet exists)"),
+    DevicePeak("a10", r"\ba10\b", 125e12, _A10 + " (BF16 125 TFLOP/s dense)"),
+    DevicePeak("rtx-a6000", r"\brtx a6000\b", 309.7e12 / 2,
+               "NVIDIA RTX A6000 datasheet (309.7 TFLOP/s sparse tensor), https://www.nvidia.com/en-us/design-visualization/rtx-a6000/"),
+    DevicePeak("rtx-4090", r"\brtx 4090\b", 165.2e12,
+               "NVIDIA Ada GPU architecture whitepaper, appendix A (BF16, FP32 accumulate, 165.2 TFLOP/s dense), "
+               "https://images.nvidia.com/aem-dam/Solutions/geforce/ada/nvidia-ada-gpu-architecture.pdf"),
+    DevicePeak("rtx-3090", r"\brtx 3090\b(?! ti)", 71e12,
+               "NVIDIA GA102 whitepaper (BF16, FP32 accumulate, 71 TFLOP/s dense), "
+               "https://www.nvidia.com/content/PDF/nvidia-ampere-ga-102-gpu-architecture-whitepaper-v2.pdf"),
+)
+
+
+def normalize_device_name(name: str) -> str:
+    """``"NVIDIA A100-SXM4-80GB"`` -> ``"a100 sxm4 80gb"``: lower case, vendor words dropped,
+    separators as single spaces."""
+    words = re.sub(r"[-_/(),]+", " ", name.lower()).split()
+    return " ".join(w for w in words if w not in ("nvidia", "geforce", "tesla"))
+
+
+def lookup_peak(device_name: str) -> DevicePeak | None:
+    """The table entry for a ``torch.cuda.get_device_name()`` string, or None."""
+    name = normalize_device_name(device_name)
+    return next((p for p in PEAKS if re.search(p.pattern, name)), None)
+
+
+def match_device(device_name: str) -> str:
+    """The table key of a device name (``"h100-sxm"``, ``"a100"``...) or ``"unknown"``."""
+    peak = lookup_peak(device_name)
+    return peak.key if peak else UNKNOWN
+
+
+@dataclass(frozen=True)
+class Peak:
+    """The peak an MFU figure is relative to, with where it came from."""
+
+    flops: float
+    device: str  # the device's name as torch reports it, or "cpu"
+    key: str  # table key, or "unknown" for a measured peak
+    source: str
+    measured: bool
+
+    def describe(self) -> str:
+        kind = "measured matmul peak" if self.measured else "datasheet dense bf16 peak"
+        return f"{self.flops / 1e12:.3g} TFLOP/s {kind} of {self.device} ({self.source})"
+
+
+@functools.lru_cache(maxsize=8)
+def _measured_matmul_flops(device: str, dtype: torch.dtype, n: int, repeats: int) -> float:
+    dev = torch.device(device)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    a = torch.randn(n, n, device=dev, generator=gen).to(dtype)
+    b = torch.randn(n, n, device=dev, generator=gen).to(dtype)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    a @ b  # warm-up: thread pool, kernel selection
+    sync()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+def measure_matmul_peak(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                        n: int = 1024, repeats: int = 5) -> float:
+    """Best FLOP/s of an ``n x n`` matmul in ``dtype`` over ``repeats`` runs (cached per process).
+
+    A measured ceiling of this machine, not a datasheet figure: MFU against it says how far the
+    training step is from the machine's own best matmul rate."""
+    return _measured_matmul_flops(str(torch.device(device)), dtype, n, repeats)
+
+
+def resolve_peak(device: torch.device | str, dtype: torch.dtype = torch.bfloat16,
+                 override_flops: float | None = None) -> Peak:
+    """The peak for ``device``: an explicit override, the datasheet table for a known CUDA device,
+    else a measured matmul peak in ``dtype`` (labelled measured)."""
+    device = torch.device(device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    if override_flops is not None:
+        return Peak(float(override_flops), name, "override", "configured peak_tflops", measured=False)
+    entry = lookup_peak(name) if device.type == "cuda" else None
+    if entry is not None:
+        return Peak(entry.bf16_flops, name, entry.key, entry.source, measured=False)
+    flops = measure_matmul_peak(device, dtype)
+    dt = str(dtype).removeprefix("torch.")
+    return Peak(flops, name, UNKNOWN, f"measured: best 1024x1024 {dt} matmul on this machine", measured=True)
+
+
+# ---- sliding-window throughput -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One optimizer step (all its micro-batches): wall time since the previous step ended (pauses
+    such as validation excluded), the part of it spent waiting for batches, and the work done."""
+
+    elapsed_s: float
+    wait_s: float
+    tokens: int
+    samples: int
+    flops: float  # model FLOPs: tokens * flops_per_token at the batch's sequence length
+
+
+def throughput_stats(records, peak_flops: float | None, world_size: int = 1) -> dict[str, float]:
+    """Rates over ``records`` (one device's steps). Totals assume every rank does the same work
+    in the same wall time, as ranks stepping in lockstep under DDP do.
+
+    Returns per-device and total ``tokens_per_s`` and ``samples_per_s``, ``tflops`` (model FLOPs
+    achieved), ``mfu_pct`` (``100 * flops / elapsed / peak_flops``; None without a peak),
+    ``step_ms`` (mean optimizer step) and ``data_wait_pct`` (share of wall time spent waiting for
+    batches)."""
+    records = list(records)
+    if not records:
+        raise ValueError("throughput_stats needs at least one step record")
+    elapsed = sum(r.elapsed_s for r in records)
+    if elapsed <= 0:
+        raise ValueError(f"throughput_stats: non-positive elapsed time {elapsed}")
+    tokens = sum(r.tokens for r in records)
+    samples = sum(r.samples for r in records)
+    flops_per_s = sum(r.flops for r in records) / elapsed
+    return {
+        "tokens_per_s_per_device": tokens / elapsed,
+        "tokens_per_s": world_size * tokens / elapsed,
+        "samples_per_s_per_device": samples / elapsed,
+        "samples_per_s": world_size * samples / elapsed,
+        "tflops_per_device": flops_per_s / 1e12,
+        "tflops": world_size * flops_per_s / 1e12,
+        "mfu_pct": 100.0 * flops_per_s / peak_flops if peak_flops else None,
+        "step_ms": 1e3 * elapsed / len(records),
+        "data_wait_pct": 100.0 * sum(r.wait_s for r in records) / elapsed,
+    }
+
+
+class StepTimer:
+    """Turns host-clock readings at batch boundaries into :class:`StepRecord` s over a sliding
+    window of optimizer steps. The clock is read twice per micro-batch and nothing is synchronised:
+    on CUDA the reader makes the last reading after a device sync so the window's total is exact up
+    to the host's lead at the window's start.
+
+    ``clock`` is injectable (tests pass a fake one)."""
+
+    def __init__(self, window_steps: int = 50, clock: Callable[[], float] = time.perf_counter):
+        if window_steps < 1:
+            raise ValueError(f"window_steps={window_steps}: must be >= 1")
+        self.clock = clock
+        self.window: deque[StepRecord] = deque(maxlen=window_steps)
+        self.steps = 0  # optimizer steps recorded in total
+        self._last_end: float | None = None
+        self._paused = True  # nothing to measure a wait from before the first batch
+        self._start = 0.0
+        self._acc = [0.0, 0.0, 0, 0, 0.0]  # elapsed, wait, tokens, samples, flops of the current step
+
+    def pause(self) -> None:
+        """The time until the next batch starts is not training (validation, a checkpoint save)."""
+        self._paused = True
+
+    def batch_start(self) -> None:
+        now = self.clock()
+        if not self._paused and self._last_end is not None:
+            gap = now - self._last_end
+            self._acc[0] += gap
+            self._acc[1] += gap
+        self._paused = False
+        self._start = now
+
+    def batch_end(self, tokens: int, samples: int, flops: float, stepped: bool, now: float | None = None) -> StepRecord | None:
+        """Close a micro-batch; when ``stepped`` (the optimizer stepped), close and return the step."""
+        now = self.clock() if now is None else now
+        self._acc[0] += now - self._start
+        self._acc[2] += tokens
+        self._acc[3] += samples
+        self._acc[4] += flops
+        self._last_end = now
+        if not stepped:
+            return None
+        record = StepRecord(*self._acc)
+        self._acc = [0.0, 0.0, 0, 0, 0.0]
+        self.steps += 1
+        self.window.append(record)
+        return record
+
+    def reset_window(self) -> None:
+        self.window.clear()
