@@ -154,6 +154,7 @@ def report(cfg: DictConfig, metrics: dict[str, float], loggers: list) -> None:
 def main(cfg: DictConfig) -> float | None:
     try:
         metrics = train(cfg)
+        return optimized(metrics, cfg.get("optimized_metric"))
     except BnlitError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(e.exit_code)
@@ -168,7 +169,13 @@ def main(cfg: DictConfig) -> float | None:
             raise
         print(f"error: {disk_full_message(e, cfg)}", file=sys.stderr, flush=True)
         sys.exit(2)
-    return metrics.get(cfg.get("optimized_metric"))
+
+
+def optimized(metrics: dict[str, float], name: str | None) -> float | None:
+    """The value a sweeper (grid, Optuna) reads; a sweep whose metric was never logged is refused."""
+    if name and name not in metrics and HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+        raise ConfigError(f"optimized_metric={name} was not logged by this run; logged: {sorted(metrics)}")
+    return metrics.get(name) if name else None
 
 
 def disk_full_message(e: OSError, cfg: DictConfig) -> str:

@@ -1,0 +1,51 @@
+"""Sweeps on the tiny preset: a Hydra grid over the learning rate, and the Optuna config, whose
+best value must be the smallest val/loss its trials logged (so train() returned the metric)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from bnlit.summary import read_metrics
+from conftest import TINY
+
+
+def multirun(sweep_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "bnlit.train", "-m", *TINY, f"hydra.sweep.dir={sweep_dir}", *overrides],
+                          capture_output=True, text=True, cwd=sweep_dir.parent, timeout=900)
+
+
+def final(run_dir: Path, key: str) -> float:
+    return read_metrics(run_dir / "csv" / "metrics.csv")[key][-1][1]
+
+
+@pytest.mark.slow
+def test_grid_over_the_learning_rate(tmp_path, cache_dir):
+    sweep = tmp_path / "grid"
+    out = multirun(sweep, "model=tiny", "optimizer.lr=1e-3,3e-3", "trainer.max_steps=2", "trainer.val_check_interval=2")
+    assert out.returncode == 0, out.stderr[-3000:]
+    jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and p.name.isdigit())
+    assert [p.name for p in jobs] == ["0", "1"]
+    lrs = [yaml.safe_load((j / ".hydra" / "overrides.yaml").read_text()) for j in jobs]
+    assert "optimizer.lr=0.001" in lrs[0] and "optimizer.lr=0.003" in lrs[1]
+    peak = [max(v for _, v in read_metrics(j / "csv" / "metrics.csv")["train/lr"]) for j in jobs]
+    assert peak[1] == pytest.approx(3 * peak[0])  # each job trained with its own learning rate
+    assert all((j / "checkpoints" / "last.ckpt").is_file() and (j / "summary.md").is_file() for j in jobs)
+
+
+@pytest.mark.slow
+def test_optuna_minimises_val_loss(tmp_path, cache_dir):
+    sweep = tmp_path / "optuna"
+    out = multirun(sweep, "hparams_search=optuna", "hydra.sweeper.n_trials=2", "hydra.sweeper.sampler.n_startup_trials=2",
+                   "trainer.max_steps=2", "trainer.val_check_interval=2")
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
+    trials = sorted(p for p in sweep.iterdir() if p.is_dir() and p.name.isdigit())
+    assert len(trials) == 2
+    losses = [final(t, "val/loss") for t in trials]
+    assert result["best_value"] == pytest.approx(min(losses), abs=1e-6)
+    assert set(result["best_params"]) == {"optimizer.lr", "optimizer.weight_decay", "scheduler.warmup_fraction"}
