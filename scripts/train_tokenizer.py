@@ -74,10 +74,9 @@ def read_text(path: Path) -> str:
 
 
 def build(args: argparse.Namespace) -> dict:
-    from bnlit.data.shards import is_validation
-
     inputs = parse_inputs(args.input)
     weights = parse_weights(args.lang_weights)
+    from bnlit.data.shards import is_validation  # after the argument checks: it imports Lightning
     train_lines: dict[str, list[str]] = {}
     heldout: dict[str, list[str]] = {}
     stats: dict[str, dict] = {}

@@ -191,7 +191,7 @@ def test_fertility_check_defaults(make_cfg):
 
 def test_fertility_check_passes_with_the_trained_tokenizer(make_cfg, tmp_path):
     """The default floor (2.5) and an 8192-token tokenizer trained on the tiny corpus."""
-    train(make_cfg("model.config.vocab_size=8192", "callbacks.fertility.floors.bn=2.5"))
+    train(make_cfg("model.config.vocab_size=8192", "callbacks.fertility.floors.bn=2.5", "trainer.max_steps=1"))
     m = _metrics(tmp_path / "run")
     assert m["tok/bn_chars_per_token"] > 2.5 and m["tok/en_chars_per_token"] > 2.0
     assert m["tok/en_premium"] == 1.0
