@@ -180,3 +180,34 @@ def twin_model(model_or_cfg: nn.Module | ModelConfig, seed: int = 0, device: tor
     twin.reset_parameters(generator=torch.Generator(device="cpu").manual_seed(seed))
     twin.requires_grad_(False)
     return twin.to(device).eval()
+
+
+def read_documents(path) -> list[str]:
+    """Documents of a held-out file: ``.jsonl`` (its ``text`` field per line) or plain text (one
+    document per blank-line separated paragraph, as ``data=files`` reads ``.txt``)."""
+    import json
+    from pathlib import Path
+
+    from bnlit.errors import DataError
+
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"text file {path} does not exist; pass --text LANG=FILE with an existing file")
+    try:
+        raw = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"text file {path} is not UTF-8 (byte {e.start}); convert it with iconv -t UTF-8") from None
+    if path.suffix == ".jsonl":
+        docs = []
+        for n, line in enumerate(raw.splitlines(), 1):
+            if line.strip():
+                try:
+                    docs.append(str(json.loads(line)["text"]))
+                except (json.JSONDecodeError, KeyError, TypeError) as e:
+                    raise DataError(f"{path}:{n}: not a JSON object with a \"text\" field ({e})") from None
+    else:
+        docs = [p.strip("\n") for p in raw.replace("\r\n", "\n").split("\n\n")]
+    docs = [d for d in docs if d.strip()]
+    if not docs:
+        raise DataError(f"text file {path} holds no text")
+    return docs

@@ -1,0 +1,46 @@
+"""Export a checkpoint in the Hugging Face Llama layout (config.json, model.safetensors,
+generation_config.json, tokenizer.model + tokenizer_config.json).
+
+    python scripts/export_hf.py --checkpoint CKPT --out DIR [--dtype float32|bfloat16|float16] [--overwrite]
+
+Load it with ``transformers.LlamaForCausalLM.from_pretrained(DIR)`` and
+``AutoTokenizer.from_pretrained(DIR)``. bnlit NFC-normalises text before encoding; do the same
+(``unicodedata.normalize("NFC", text)``) when you feed the exported tokenizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from bnlit.checkpoint import load_model
+from bnlit.errors import BnlitError
+from bnlit.export import export_hf
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--checkpoint", required=True, type=Path)
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out directory")
+    args = p.parse_args(argv)
+    try:
+        model, tok, ckpt = load_model(args.checkpoint)
+        out = export_hf(model, tok, args.out, dtype=DTYPES[args.dtype], overwrite=args.overwrite)
+    except BnlitError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    files = sorted(f.name for f in out.iterdir())
+    print(f"exported {model.config.name} (step {ckpt.get('global_step')}, {model.num_params():,} parameters) "
+          f"to {out}: {', '.join(files)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
