@@ -97,9 +97,13 @@ def write_summary(run_dir: str | os.PathLike, metrics: Mapping[str, float] | Non
     final.update(metrics or {})
     lines = [f"# Run summary: {run_dir.name}", "", f"run dir: `{run_dir}`", ""]
     if final:
-        lines += ["## Final metrics", "", "| metric | value |", "|---|---|"]
+        headline = {k: v for k, v in final.items() if k in ("perf/tokens_per_s", "val/loss")
+                    or any(wanted(k) for wanted in PLOTS.values())}
+        lines += ["## Headline", "", "| metric | final value |", "|---|---|"]
+        lines += [f"| `{k}` | {_fmt(v)} |" for k, v in sorted(headline.items())]
+        lines += ["", "<details><summary>all final metrics</summary>", "", "| metric | value |", "|---|---|"]
         lines += [f"| `{k}` | {_fmt(v)} |" for k, v in sorted(final.items())]
-        lines.append("")
+        lines += ["", "</details>", ""]
     plots = []
     for name, wanted in PLOTS.items():
         keys = sorted(k for k in series if wanted(k))
