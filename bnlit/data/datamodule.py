@@ -20,6 +20,8 @@ from torch.utils.data import ConcatDataset, DataLoader
 
 from bnlit.data import embedded
 from bnlit.data.dataset import MixtureSampler, PackedWindows, mixture_counts
+from bnlit.data.pipeline import CleanConfig, clean_sources, read_clean
+from bnlit.data.report import build_report, log_report, write_report
 from bnlit.data.shards import build_shards, is_validation, load_index, read_tokens
 from bnlit.data.sources import Source, check_exists, fingerprint, iter_documents
 from bnlit.errors import ConfigError, TokenizerError
@@ -63,6 +65,7 @@ class BnDataModule(L.LightningDataModule):
         seed: int = 0,
         weight_unit: str = "tokens",
         prefetch_factor: int | None = None,
+        clean: Mapping[str, Any] | None = None,
     ):
         super().__init__()
         if not sources:
@@ -87,6 +90,12 @@ class BnDataModule(L.LightningDataModule):
         self.index: dict | None = None
         self.shard_dir: Path | None = None
         self._resume: dict[str, int] | None = None  # sampler position from a checkpoint
+        # normalise -> filter -> dedup -> decontaminate (bnlit/data/pipeline.py); None: off
+        self.clean_cfg = CleanConfig.from_dict(clean)
+        self.clean_dir: Path | None = None
+        self.clean_stats: dict | None = None
+        self.report: dict | None = None
+        self._report_logged = False
 
     # ---- building -------------------------------------------------------------------------
     def _resolve(self) -> list[tuple[Source, Path | None]]:
@@ -107,6 +116,8 @@ class BnDataModule(L.LightningDataModule):
         return resolved
 
     def _documents(self, source: Source, path: Path | None):
+        if self.clean_dir is not None:  # the cleaned documents, once the pipeline has run
+            return read_clean(self.clean_dir, source.name)
         return iter_documents(source, path, cache_dir=str(self.cache_dir / "hf"))
 
     def _tokenizer(self, resolved, fingerprints: list[str]) -> Tokenizer:
@@ -148,6 +159,8 @@ class BnDataModule(L.LightningDataModule):
             return
         resolved = self._resolve()
         fingerprints = [fingerprint(s, p) for s, p in resolved]
+        if self.clean_cfg.enabled:
+            fingerprints = self._clean(resolved, fingerprints)
         self.tokenizer = self._tokenizer(resolved, fingerprints)
         self.shard_dir = build_shards(
             self.cache_dir / "shards",
@@ -158,11 +171,38 @@ class BnDataModule(L.LightningDataModule):
             num_proc=self.num_proc,
         )
         self.index = load_index(self.shard_dir)
+        self.report = build_report(self.index, self.clean_stats, self.shard_dir, self.clean_dir)
+
+    def _clean(self, resolved, fingerprints: list[str]) -> list[str]:
+        """Run the cleaning pipeline once (cached by its inputs); returns the fingerprints of the
+        cleaned sources, so tokenizers and shards are keyed by the cleaning too."""
+        hf_cache = str(self.cache_dir / "hf")
+        evals = []
+        for i, item in enumerate(self.clean_cfg.decontam.eval_files):
+            spec = {"path": item} if isinstance(item, str) else dict(item)
+            path = Path(spec["path"]).expanduser()
+            src = Source(name=spec.get("name") or path.stem, language="eval", path=str(path),
+                         text_field=spec.get("text_field", "text"), sample_by=spec.get("sample_by", "line"),
+                         field=f"data.clean.decontam.eval_files[{i}]")
+            check_exists(path, f"{src.field}.path")
+            evals.append((src, path, fingerprint(src, path)))
+        key = hashlib.sha256(json.dumps([fingerprints, self.clean_cfg.to_dict(), self.val_fraction,
+                                         [e[2] for e in evals]]).encode()).hexdigest()[:16]
+        self.clean_dir = None
+        out = self.cache_dir / "clean" / key
+        self.clean_stats = clean_sources(
+            out, [(s.name, s.language, self._documents(s, p)) for s, p in resolved],
+            self.clean_cfg, self.val_fraction,
+            eval_sets={f"eval/{src.name}": iter_documents(src, path, cache_dir=hf_cache) for src, path, _ in evals},
+            num_proc=self.num_proc)
+        self.clean_dir = out
+        return [f"{fp}:clean:{key}" for fp in fingerprints]
 
     def prepare_data(self) -> None:
         self._build()
         if self.output_dir is not None:
             self.tokenizer.save(self.output_dir / TOKENIZER_FILE)
+            write_report(self.output_dir, self.report)
 
     def setup(self, stage: str | None = None) -> None:
         self._build()
@@ -175,6 +215,9 @@ class BnDataModule(L.LightningDataModule):
             raise ConfigError(f"data.sources: {empty} have fewer than data.seq_len={self.seq_len} + 1 "
                               "training tokens; add text or lower data.seq_len")
         self._set_mixture()
+        if self.trainer is not None and not self._report_logged:
+            log_report(self.trainer, self.report)
+            self._report_logged = True
         self.val_sets = {}
         for lang in self.languages:
             parts = [PackedWindows(read_tokens(self.shard_dir, self.index, s.name, "val"), self.seq_len)

@@ -1,0 +1,133 @@
+"""Text normalisation applied to every document before filtering, deduplication, tokenizer
+training and shard building (pure functions; ``normalize_text`` is idempotent and its output is
+NFC-stable, so the tokenizer's own NFC leaves it unchanged).
+
+Rules, in order:
+
+1. **Newlines and controls.** ``\\r\\n`` and ``\\r`` become ``\\n``; a tab becomes a space; every
+   other C0/C1 control character, the BOM/ZWNBSP (U+FEFF), the soft hyphen (U+00AD), the
+   zero-width space (U+200B), the bidi marks and embeddings (U+200E/F, U+202A-U+202E,
+   U+2066-U+2069) and the replacement-free invisible ``Cf`` characters other than ZWJ/ZWNJ are
+   removed. Unicode space separators (NBSP, U+2000-U+200A, U+3000, ...) become an ASCII space.
+2. **Unicode NFC, nukta forms decomposed.** The nukta letters য় ড় ঢ় (U+09DF, U+09DC, U+09DD) are
+   Unicode composition exclusions: NFC turns them into letter + nukta (য + U+09BC, ড + U+09BC,
+   ঢ + U+09BC) and never back. bnlit therefore unifies them one way, to the *decomposed* form:
+   both spellings of a word become the same code points, and the tokenizer's NFC agrees.
+   The legacy khanda-ta spelling ত + hasanta + ZWJ (before Unicode 4.1) becomes ৎ (U+09CE) when
+   it ends a word, as the Unicode standard recommends.
+3. **ZWJ (U+200D) and ZWNJ (U+200C).** They change Bangla rendering only next to the hasanta
+   (U+09CD): ``্ + ZWNJ`` forces a visible hasanta instead of a conjunct (ক্‌ষ vs ক্ষ), ``্ + ZWJ``
+   asks for a half form, and ``র + ZWJ + ্ + য`` writes ya-phala after ra (র‍্য) instead of
+   reph (র্য). A joiner is kept when it directly follows a hasanta, or sits between a Bengali
+   consonant and a hasanta; ZWJ is also kept between two emoji/symbols (emoji sequences). Every
+   other joiner (at word edges, between Latin letters, after vowel signs, doubled) is stray and
+   removed; a run of joiners keeps only its first.
+4. **Whitespace.** Runs of spaces inside a line collapse to one (leading indentation, as in code,
+   is kept), spaces at line ends are stripped, three or more newlines become a paragraph break
+   (two), and blank lines and spaces at the document's ends are removed.
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+
+ZWNJ, ZWJ = "\u200c", "\u200d"
+HASANTA = "\u09cd"
+NUKTA = "\u09bc"
+KHANDA_TA = "\u09ce"
+NUKTA_LETTERS = {"\u09dc": "\u09a1\u09bc", "\u09dd": "\u09a2\u09bc", "\u09df": "\u09af\u09bc"}
+_KEEP_CF = {ZWJ, ZWNJ}
+_NEWLINES = re.compile(r"\r\n?")
+_SPACES = re.compile(r"(?<=\S) {2,}")  # inside a line; leading indentation (code) is kept
+_LINE_END_SPACES = re.compile(r" +$", re.MULTILINE)
+_PARAGRAPHS = re.compile(r"\n{3,}")
+_JOINER_RUN = re.compile("[\u200c\u200d]{2,}")
+_LEGACY_KHANDA_TA = re.compile("\u09a4\u09cd\u200d(?![\u0980-\u09ff])")
+
+
+def _build_table() -> dict[int, str | None]:
+    table: dict[int, str | None] = {}
+    # the BMP, plus the planes' few format characters (musical, Egyptian, shorthand, tag characters)
+    astral = [*range(0x110BD, 0x110BE), 0x110CD, *range(0x13430, 0x13440), *range(0x1BCA0, 0x1BCA4),
+              *range(0x1D173, 0x1D17B), 0xE0001, *range(0xE0020, 0xE0080)]
+    for cp in [*range(0x10000), *astral]:
+        ch = chr(cp)
+        if ch in "\n":
+            continue
+        cat = unicodedata.category(ch)
+        if ch == "\t" or cat == "Zs" and ch != " ":
+            table[cp] = " "
+        elif cat == "Cc" or (cat == "Cf" and ch not in _KEEP_CF):
+            table[cp] = None
+        elif cat in ("Zl", "Zp"):  # U+2028/U+2029 line and paragraph separators
+            table[cp] = "\n"
+    table[0x0D] = "\n"  # a lone CR left after the CRLF pass
+    table[0x00AD] = None  # soft hyphen (Cf, listed for the reader)
+    return table
+
+
+_TABLE = _build_table()
+
+
+def is_bengali_consonant(ch: str) -> bool:
+    return "\u0995" <= ch <= "\u09b9" or ch in "\u09ce\u09dc\u09dd\u09df" or ch == "\u09f0" or ch == "\u09f1"
+
+
+def _is_symbol(ch: str) -> bool:
+    return unicodedata.category(ch) in ("So", "Sk") or ch == "\ufe0f"
+
+
+def _joiner_kept(prev: str, joiner: str, nxt: str) -> bool:
+    if prev == HASANTA:
+        return True
+    if nxt == HASANTA and is_bengali_consonant(prev):
+        return True
+    return joiner == ZWJ and _is_symbol(prev) and _is_symbol(nxt)
+
+
+def clean_joiners(text: str) -> str:
+    """Keep ZWJ/ZWNJ only where they change rendering (see the module docstring)."""
+    if ZWJ not in text and ZWNJ not in text:
+        return text
+    text = _JOINER_RUN.sub(lambda m: m.group(0)[0], text)
+    out = []
+    n = len(text)
+    for i, ch in enumerate(text):
+        if ch in _KEEP_CF:
+            prev = text[i - 1] if i > 0 else ""
+            nxt = text[i + 1] if i + 1 < n else ""
+            if not _joiner_kept(prev, ch, nxt):
+                continue
+        out.append(ch)
+    return "".join(out)
+
+
+def unify_nukta(text: str) -> str:
+    """Precomposed য় ড় ঢ় -> letter + U+09BC (what NFC produces); NFC does this too, this is
+    the explicit, documented form of the choice."""
+    for composed, decomposed in NUKTA_LETTERS.items():
+        if composed in text:
+            text = text.replace(composed, decomposed)
+    return text
+
+
+def clean_whitespace(text: str) -> str:
+    text = _SPACES.sub(" ", text)
+    text = _LINE_END_SPACES.sub("", text)
+    text = _PARAGRAPHS.sub("\n\n", text)
+    return text.strip("\n ").rstrip() if text.strip() else ""
+
+
+def normalize_text(text: str) -> str:
+    """Normalise one document: controls, NFC with decomposed nukta letters, joiners, whitespace.
+
+    Idempotent, and ``unicodedata.normalize("NFC", out) == out``.
+    """
+    text = _NEWLINES.sub("\n", text).translate(_TABLE)
+    text = unify_nukta(unicodedata.normalize("NFC", text))
+    text = _LEGACY_KHANDA_TA.sub(KHANDA_TA, text)
+    text = clean_joiners(text)
+    text = clean_whitespace(text)
+    # removing a joiner can bring canonically reorderable marks together; NFC again is cheap
+    return unicodedata.normalize("NFC", text)

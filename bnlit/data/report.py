@@ -1,0 +1,145 @@
+"""The per-build data report: what went into the shards and what was dropped on the way.
+
+``build_report`` combines the shard index (documents, characters, tokens per source and split)
+with the cleaning stats of :func:`bnlit.data.pipeline.clean_sources` (filters, dedup,
+decontamination). ``write_report`` puts ``data_report.json`` and ``data_report.md`` in the run
+directory; ``log_report`` sends its tables through :func:`bnlit.reporting.log_table` (W&B and
+``<run dir>/tables/``). Evaluation tools read ``validation_decontaminated`` from the JSON: true
+when every training document sharing enough n-grams with the validation text was removed.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from bnlit.reporting import write_json_atomic
+
+REPORT_JSON = "data_report.json"
+REPORT_MD = "data_report.md"
+SPLITS = ("train", "val")
+
+
+def _cpt(chars: int, tokens: int, docs: int) -> float:
+    content = tokens - docs  # EOS separators carry no text
+    return chars / content if content > 0 else 0.0
+
+
+def build_report(index: dict, clean: dict | None, shard_dir: str | os.PathLike | None = None,
+                 clean_dir: str | os.PathLike | None = None) -> dict:
+    languages: dict[str, dict] = {}
+    sources: dict[str, dict] = {}
+    for name, entry in index["sources"].items():
+        lang = entry["language"]
+        src = sources[name] = {"language": lang}
+        for split in SPLITS:
+            e = entry[split]
+            agg = languages.setdefault(lang, {}).setdefault(split, {"docs": 0, "chars": 0, "tokens": 0})
+            for k in ("docs", "chars", "tokens"):
+                agg[k] += e[k]
+            src[split] = {k: e[k] for k in ("docs", "chars", "tokens")}
+            src[split]["chars_per_token"] = _cpt(e["chars"], e["tokens"], e["docs"])
+        if clean is not None and name in clean["sources"]:
+            c = clean["sources"][name]
+            src["input"] = {"docs": c["input_docs"], "chars": c["input_chars"]}
+            src["normalized_changed"] = c["normalized_changed"]
+            src["dropped"] = {
+                "filters": c["filters"],
+                "dedup": c["dedup"],
+                "decontam": c["decontam"],
+            }
+    for splits in languages.values():
+        for e in splits.values():
+            e["chars_per_token"] = _cpt(e["chars"], e["tokens"], e["docs"])
+    return {
+        "shard_dir": str(shard_dir) if shard_dir else None,
+        "clean_dir": str(clean_dir) if clean_dir else None,
+        "tokenizer_sha256": index.get("tokenizer_sha256"),
+        "val_fraction": index.get("val_fraction"),
+        "cleaned": clean is not None,
+        "clean_config": clean["config"] if clean else None,
+        "languages": languages,
+        "sources": sources,
+        "decontam": clean["decontam"] if clean else {},
+        "validation_decontaminated": bool(clean and clean.get("validation_decontaminated")),
+    }
+
+
+def dropped_rows(report: dict) -> list[list]:
+    """(source, stage, reason, documents, characters) for everything dropped or flagged."""
+    rows = []
+    for name, s in report["sources"].items():
+        d = s.get("dropped")
+        if not d:
+            continue
+        for reason, n in sorted(d["filters"]["details"].items()):
+            rows.append([name, "filter", reason, n, None])
+        for kind in ("exact", "near"):
+            if d["dedup"].get(kind):
+                cross = d["dedup"].get(f"{kind}_cross", 0)
+                rows.append([name, "dedup", f"{kind} ({cross} of another source)", d["dedup"][kind], None])
+        if d["dedup"].get("chars"):
+            rows.append([name, "dedup", "characters", None, d["dedup"]["chars"]])
+        mode = (report.get("clean_config") or {}).get("decontam", {}).get("mode", "drop")
+        for set_name, n in sorted(d["decontam"]["by_set"].items()):
+            rows.append([name, f"decontam ({mode})", set_name, n, None])
+        if d["decontam"]["docs"]:
+            rows.append([name, f"decontam ({mode})", "characters", None, d["decontam"]["chars"]])
+        for reason, chars in sorted(d["filters"]["chars"].items()):
+            rows.append([name, "filter", f"{reason} characters", None, chars])
+    return rows
+
+
+def language_rows(report: dict) -> list[list]:
+    return [[lang, split, e["docs"], e["chars"], e["tokens"], round(e["chars_per_token"], 3)]
+            for lang, splits in report["languages"].items() for split, e in splits.items()]
+
+
+def decontam_rows(report: dict) -> list[list]:
+    return [[name, s["docs"], s["too_short"], s["eval_docs_contaminated"], round(s["contamination_rate"], 4),
+             s["eval_docs_touched"], s["train_docs_hit"], s["train_docs_touched"]]
+            for name, s in report["decontam"].items()]
+
+
+LANGUAGE_COLUMNS = ["language", "split", "docs", "chars", "tokens", "chars_per_token"]
+DROPPED_COLUMNS = ["source", "stage", "reason", "docs", "chars"]
+DECONTAM_COLUMNS = ["eval_set", "docs", "too_short", "contaminated", "contamination_rate", "touched",
+                    "train_docs_dropped", "train_docs_touched"]
+
+
+def _md_table(columns: list[str], rows: list[list]) -> str:
+    if not rows:
+        return "(none)\n"
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join("" if v is None else str(v) for v in r) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def to_markdown(report: dict) -> str:
+    parts = ["# Data report\n",
+             f"shards: `{report['shard_dir']}`; cleaned: {report['cleaned']}; validation decontaminated "
+             f"against training: {report['validation_decontaminated']}\n",
+             "## Kept, per language\n", _md_table(LANGUAGE_COLUMNS, language_rows(report)),
+             "## Input and kept, per source\n",
+             _md_table(["source", "input_docs", "input_chars", "train_docs", "val_docs", "kept_chars"],
+                       [[n, s.get("input", {}).get("docs"), s.get("input", {}).get("chars"), s["train"]["docs"],
+                         s["val"]["docs"], s["train"]["chars"] + s["val"]["chars"]] for n, s in report["sources"].items()]),
+             "## Dropped\n", _md_table(DROPPED_COLUMNS, dropped_rows(report)),
+             "## Decontamination, per evaluation set\n", _md_table(DECONTAM_COLUMNS, decontam_rows(report))]
+    return "\n".join(parts)
+
+
+def write_report(run_dir: str | os.PathLike, report: dict) -> Path:
+    run_dir = Path(run_dir)
+    path = write_json_atomic(run_dir / REPORT_JSON, report)
+    (run_dir / REPORT_MD).write_text(to_markdown(report))
+    return path
+
+
+def log_report(trainer, report: dict) -> None:
+    from bnlit.reporting import log_table
+
+    log_table(trainer, "data/languages", LANGUAGE_COLUMNS, language_rows(report))
+    log_table(trainer, "data/dropped", DROPPED_COLUMNS, dropped_rows(report))
+    if report["decontam"]:
+        log_table(trainer, "data/decontam", DECONTAM_COLUMNS, decontam_rows(report))
