@@ -110,7 +110,8 @@ class DedupStats:
     chars: Counter = field(default_factory=Counter)  # per source: characters dropped
 
     def to_dict(self) -> dict:
-        return {k: dict(v) for k, v in asdict(self).items()}
+        # not dataclasses.asdict: it rebuilds a Counter from (key, value) pairs, counting the pairs
+        return {f: dict(getattr(self, f)) for f in self.__dataclass_fields__}
 
 
 class Deduplicator:

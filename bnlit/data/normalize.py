@@ -75,7 +75,7 @@ def is_bengali_consonant(ch: str) -> bool:
 
 
 def _is_symbol(ch: str) -> bool:
-    return unicodedata.category(ch) in ("So", "Sk") or ch == "\ufe0f"
+    return bool(ch) and (unicodedata.category(ch) in ("So", "Sk") or ch == "\ufe0f")
 
 
 def _joiner_kept(prev: str, joiner: str, nxt: str) -> bool:
