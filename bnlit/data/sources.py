@@ -28,6 +28,8 @@ class Source:
         path: a local file, ``embedded:<lang>``, or None when ``hub_id`` is set.
         hub_id: a Hugging Face dataset id, read with ``datasets.load_dataset``.
         hub_config: the dataset config (subset) name, e.g. ``20231101.bn``.
+        hub_data_dir: a folder of the hub dataset's repository, for datasets split by folder
+            rather than config (``ai4bharat/sangraha``: ``verified/ben``).
         split: dataset split.
         text_field: column holding the text (JSONL/Parquet/hub).
         weight: mixture weight (relative; its unit is ``data.weight_unit``).
@@ -41,6 +43,7 @@ class Source:
     path: str | None = None
     hub_id: str | None = None
     hub_config: str | None = None
+    hub_data_dir: str | None = None
     split: str = "train"
     text_field: str = "text"
     weight: float = 1.0
@@ -62,7 +65,8 @@ class Source:
         return self.path is not None and self.path.startswith("embedded:")
 
     def to_dict(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if k != "field"}
+        # hub_data_dir only when set, so fingerprints of sources without it stay as they were
+        return {k: v for k, v in asdict(self).items() if k != "field" and not (k == "hub_data_dir" and v is None)}
 
 
 def check_exists(path: Path, field: str) -> None:
@@ -156,7 +160,8 @@ def iter_documents(source: Source, resolved_path: Path | None, cache_dir: str | 
 def _load_hub(source: Source, cache_dir: str | None):
     import datasets
 
-    what = f"{source.hub_id}" + (f" ({source.hub_config})" if source.hub_config else "")
+    what = f"{source.hub_id}" + (f" ({source.hub_config or source.hub_data_dir})" if source.hub_config or source.hub_data_dir else "")
+    kwargs = {"data_dir": source.hub_data_dir} if source.hub_data_dir else {}
     if not hub_reachable():
         # a hub dataset already in the local cache still loads offline; otherwise fail fast
         os.environ["HF_DATASETS_OFFLINE"] = "1"
@@ -168,7 +173,7 @@ def _load_hub(source: Source, cache_dir: str | None):
         datasets.config.HF_HUB_OFFLINE = True
         huggingface_hub.constants.HF_HUB_OFFLINE = True
         try:
-            return datasets.load_dataset(source.hub_id, source.hub_config, split=source.split,
+            return datasets.load_dataset(source.hub_id, source.hub_config, split=source.split, **kwargs,
                                          cache_dir=cache_dir, streaming=source.streaming)
         except Exception:
             raise DataError(
@@ -176,5 +181,5 @@ def _load_hub(source: Source, cache_dir: str | None):
                 f"pre-download it on a machine with network (`hf download --repo-type dataset "
                 f"{source.hub_id}`) and set HF_HOME, or point {source.field}.path at local files"
             ) from None
-    return datasets.load_dataset(source.hub_id, source.hub_config, split=source.split,
+    return datasets.load_dataset(source.hub_id, source.hub_config, split=source.split, **kwargs,
                                  cache_dir=cache_dir, streaming=source.streaming)
