@@ -36,7 +36,7 @@ INDEX_FILE = "index.json"
 PROGRESS_FILE = "progress.json"
 BUILD_FILE = "build.json"
 SPLITS = ("train", "val")
-CHUNK_CHARS = 8_000_000
+CHUNK_CHARS = 1_000_000
 KILL_AFTER_ENV = "BNLIT_SHARDS_KILL_AFTER"  # test hook: SIGKILL this process after N committed chunks
 
 
