@@ -1,4 +1,4 @@
-"""``FertilityCheck``: at fit start, measure each language's characters per token on its held-out
+"""``FertilityCheck``: at the start of a run (the first ``fit``/``validate`` setup), measure each language's characters per token on its held-out
 slice, log it with the mixture's intended and delivered shares, and stop (or warn about) a run
 whose tokenizer starves a language or whose mixture no longer says what the config asked for.
 
@@ -67,7 +67,17 @@ class FertilityCheck(L.Callback):
         self.result: dict | None = None
         self.problems: list[str] = []
 
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # after the data module's setup, before any batch: a run with validate_at_start fails
+        # here instead of after a full validation pass
+        if stage in ("fit", "validate") and self.result is None:
+            self.check(trainer)
+
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.result is None:
+            self.check(trainer)
+
+    def check(self, trainer: L.Trainer) -> None:
         dm = trainer.datamodule
         if dm is None or not hasattr(dm, "split_stats"):
             rank_zero_warn("FertilityCheck: no bnlit data module attached; fertility not checked")

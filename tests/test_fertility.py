@@ -169,6 +169,20 @@ def test_mixture_in_characters_with_the_default_tokenizer(make_cfg):
     assert _delivered_char_share(dm)["bn"] == pytest.approx(0.8, abs=0.02)
 
 
+def test_tokenizer_lang_weights_in_the_data_module(make_cfg):
+    """Resampling the tokenizer's training text towards English trades Bangla fertility for
+    English fertility, on the data module's own held-out slices."""
+    cpt = {}
+    for w in ("null", "{bn: 0.2, en: 0.8}"):
+        dm = instantiate(make_cfg(f"tokenizer.lang_weights={w}").data)
+        dm.prepare_data()
+        dm.setup("fit")
+        stats = dm.split_stats("val")
+        cpt[w] = {st["language"]: st["chars"] / (st["tokens"] - st["docs"]) for st in stats.values()}
+    natural, english = cpt["null"], cpt["{bn: 0.2, en: 0.8}"]
+    assert english["en"] > natural["en"] * 1.05 and english["bn"] < natural["bn"]
+
+
 def test_weight_unit_is_validated(make_cfg):
     kwargs = {k: v for k, v in make_cfg().data.items() if k != "_target_"}
     with pytest.raises(ConfigError, match="data.weight_unit='bytes'"):
@@ -183,6 +197,14 @@ def _metrics(run_dir) -> dict[str, float]:
     return {k: float(v) for r in rows for k, v in r.items() if k.startswith("tok/") and v}
 
 
+# the random-twin comparison evaluates two models at train end (~30 s here); it is not under test
+NO_TWIN = "~callbacks.random_twin"
+
+
+def _all_metric_names(run_dir) -> set[str]:
+    return {k for f in run_dir.rglob("metrics.csv") for r in csv.DictReader(f.open()) for k, v in r.items() if v}
+
+
 def test_fertility_check_defaults(make_cfg):
     cfg = make_cfg(tiny=False).callbacks.fertility
     assert (cfg.floors.bn, cfg.on_fail, cfg.check_shares) == (2.5, "raise", True)
@@ -191,7 +213,9 @@ def test_fertility_check_defaults(make_cfg):
 
 def test_fertility_check_passes_with_the_trained_tokenizer(make_cfg, tmp_path):
     """The default floor (2.5) and an 8192-token tokenizer trained on the tiny corpus."""
-    train(make_cfg("model.config.vocab_size=8192", "callbacks.fertility.floors.bn=2.5", "trainer.max_steps=1"))
+    train(make_cfg("model.config.vocab_size=8192", "callbacks.fertility.floors.bn=2.5", "trainer.max_steps=1",
+                   NO_TWIN))
+    assert {"val/loss", "train/loss"} <= _all_metric_names(tmp_path / "run")  # the run went on
     m = _metrics(tmp_path / "run")
     assert m["tok/bn_chars_per_token"] > 2.5 and m["tok/en_chars_per_token"] > 2.0
     assert m["tok/en_premium"] == 1.0
@@ -204,14 +228,17 @@ def test_fertility_check_passes_with_the_trained_tokenizer(make_cfg, tmp_path):
 def test_fertility_check_stops_a_byte_level_run(make_cfg, english_only, tmp_path):
     path = english_only.save(tmp_path / "en.model")
     with pytest.raises(TokenizerError, match=r"bn gets 0\.[0-9]+ characters per token, below the floor of 2\.50"):
-        train(make_cfg(f"tokenizer.path={path}", "callbacks.fertility.floors.bn=2.5"))
+        train(make_cfg(f"tokenizer.path={path}", "callbacks.fertility.floors.bn=2.5", "validate_at_start=true"))
     assert not (tmp_path / "run" / "checkpoints" / "last.ckpt").exists()
+    rows = json.loads((tmp_path / "run" / "tables" / "tok_fertility.json").read_text())["rows"]
+    assert rows[0][0] == "bn" and rows[0][1] < 0.6  # logged before the run stopped
+    assert "val/loss" not in _all_metric_names(tmp_path / "run")  # stopped before validate_at_start ran
 
 
 def test_fertility_check_warns_and_flags_an_inverted_mixture(make_cfg, english_only, tmp_path):
     path = english_only.save(tmp_path / "en.model")
     cfg = make_cfg(f"tokenizer.path={path}", "data.weight_unit=tokens", "callbacks.fertility.on_fail=warn",
-                   "trainer.max_steps=1")
+                   "trainer.max_steps=1", NO_TWIN)
     with pytest.warns(UserWarning) as record:
         train(cfg)
     messages = [str(w.message) for w in record]
