@@ -52,3 +52,36 @@ def test_switched_off_checks_keep_everything():
 def test_symbol_ratio_counts_noise_not_punctuation_or_digits():
     assert symbol_ratio("আমি ভাত খাই। ১২৩, 45 (ok) - “হ্যাঁ”") == 0.0
     assert symbol_ratio("ab§§") == 0.5
+
+
+def test_gopher_ngram_statistics_match_a_plain_reference():
+    from collections import Counter
+
+    from bnlit.data.filters import dup_ngram_char_frac, top_ngram_char_frac
+
+    def ref_dup(ws, n):
+        grams = [tuple(ws[i:i + n]) for i in range(len(ws) - n + 1)]
+        c = Counter(grams)
+        cov = [False] * len(ws)
+        for i, g in enumerate(grams):
+            if c[g] > 1:
+                cov[i:i + n] = [True] * n
+        return sum(len(w) for w, k in zip(ws, cov) if k) / sum(map(len, ws))
+
+    def ref_top(ws, n):  # None when several n-grams share the top count (either may be picked)
+        common = Counter(tuple(ws[i:i + n]) for i in range(len(ws) - n + 1)).most_common(2)
+        (g, k), tie = common[0], len(common) > 1 and common[1][1] == common[0][1]
+        return 0.0 if k < 2 else None if tie else sum(map(len, g)) * k / sum(map(len, ws))
+
+    rng = random.Random(3)
+    checked = 0
+    for trial in range(40):
+        ws = [rng.choice("ক খ গ ঘ ঙ চ ছ".split()) * rng.randint(1, 3) for _ in range(rng.randint(12, 80))]
+        for n in (2, 3, 5, 7):
+            assert abs(dup_ngram_char_frac(ws, n) - ref_dup(ws, n)) < 1e-12
+        for n in (2, 3):
+            want = ref_top(ws, n)
+            if want is not None:
+                checked += 1
+                assert abs(top_ngram_char_frac(ws, n) - want) < 1e-12
+    assert checked >= 10

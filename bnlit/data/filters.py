@@ -23,6 +23,8 @@ import unicodedata
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
+
 # Gopher table A1 thresholds
 TOP_NGRAM_MAX = {2: 0.20, 3: 0.18, 4: 0.16}
 DUP_NGRAM_MAX = {5: 0.15, 6: 0.14, 7: 0.13, 8: 0.12, 9: 0.11, 10: 0.10}
@@ -139,32 +141,61 @@ def line_duplication(text: str) -> tuple[float, float]:
     return dup / len(lines), dup_chars / total_chars
 
 
+class _Words:
+    """Word ids and lengths of a document, for vectorised n-gram statistics."""
+
+    def __init__(self, ws: list[str]):
+        index: dict[str, int] = {}
+        self.ids = np.fromiter((index.setdefault(w, len(index)) for w in ws), dtype=np.uint64, count=len(ws))
+        self.lens = np.fromiter((len(w) for w in ws), dtype=np.int64, count=len(ws))
+        self.total = int(self.lens.sum())
+
+    def grams(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """(inverse index of each n-gram start into the distinct n-grams, their counts)."""
+        m = self.ids.size - n + 1
+        h = np.zeros(m, dtype=np.uint64)
+        with np.errstate(over="ignore"):
+            for j in range(n):  # polynomial hash of the word ids; 64-bit collisions are negligible
+                h = h * np.uint64(0x100000001B3) + self.ids[j:j + m] + np.uint64(1)
+        _, inv, counts = np.unique(h, return_inverse=True, return_counts=True)
+        return inv, counts
+
+
+def _top_frac(w: _Words, n: int) -> float:
+    if w.ids.size < n or w.total == 0:
+        return 0.0
+    inv, counts = w.grams(n)
+    best = int(np.argmax(counts))
+    if counts[best] < 2:
+        return 0.0
+    start = int(np.flatnonzero(inv == best)[0])
+    return float(w.lens[start:start + n].sum()) * int(counts[best]) / w.total
+
+
+def _dup_frac(w: _Words, n: int) -> float:
+    if w.ids.size < n or w.total == 0:
+        return 0.0
+    inv, counts = w.grams(n)
+    starts = np.flatnonzero(counts[inv] > 1)
+    if starts.size == 0:
+        return 0.0
+    edge = np.zeros(w.ids.size + 1, dtype=np.int64)
+    np.add.at(edge, starts, 1)
+    np.add.at(edge, starts + n, -1)
+    covered = np.cumsum(edge[:-1]) > 0
+    return float(w.lens[covered].sum()) / w.total
+
+
 def top_ngram_char_frac(ws: list[str], n: int) -> float:
     """Characters covered by the most frequent word n-gram (counting each occurrence's words),
     over all word characters (Gopher)."""
-    total = sum(len(w) for w in ws)
-    if len(ws) < n or total == 0:
-        return 0.0
-    counts = Counter(zip(*(ws[i:] for i in range(n))))
-    gram, count = counts.most_common(1)[0]
-    if count < 2:
-        return 0.0
-    return sum(len(w) for w in gram) * count / total
+    return _top_frac(_Words(ws), n)
 
 
 def dup_ngram_char_frac(ws: list[str], n: int) -> float:
     """Characters of words inside any word n-gram that occurs more than once, over all word
     characters (Gopher; overlapping occurrences count their words once)."""
-    total = sum(len(w) for w in ws)
-    if len(ws) < n or total == 0:
-        return 0.0
-    grams = list(zip(*(ws[i:] for i in range(n))))
-    counts = Counter(grams)
-    covered = bytearray(len(ws))
-    for i, g in enumerate(grams):
-        if counts[g] > 1:
-            covered[i:i + n] = b"\x01" * n
-    return sum(len(w) for w, c in zip(ws, covered) if c) / total if any(covered) else 0.0
+    return _dup_frac(_Words(ws), n)
 
 
 def repetition_filter(text: str, ws: list[str], cfg: FilterConfig) -> str | None:
@@ -175,11 +206,12 @@ def repetition_filter(text: str, ws: list[str], cfg: FilterConfig) -> str | None
         if cfg.max_dup_line_char_frac is not None and char_frac > cfg.max_dup_line_char_frac:
             return "repetition:dup_line_chars"
     if cfg.repetition_ngrams:
+        w = _Words(ws)
         for n, limit in TOP_NGRAM_MAX.items():
-            if top_ngram_char_frac(ws, n) > limit:
+            if _top_frac(w, n) > limit:
                 return f"repetition:top_{n}gram"
         for n, limit in DUP_NGRAM_MAX.items():
-            if dup_ngram_char_frac(ws, n) > limit:
+            if _dup_frac(w, n) > limit:
                 return f"repetition:dup_{n}gram"
     return None
 
