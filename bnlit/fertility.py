@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -234,17 +235,16 @@ def detect_language(text: str, threshold: float = 0.5) -> str:
     return "und"
 
 
-def mixture_rows(intended: Mapping[str, float], token_share: Mapping[str, float],
-                 char_share: Mapping[str, float]) -> list[list]:
-    """Rows ``[language, intended, tokens, chars]`` (percentages) for a table."""
-    return [[lang, round(100 * intended.get(lang, 0.0), 2), round(100 * token_share.get(lang, 0.0), 2),
-             round(100 * char_share.get(lang, 0.0), 2)] for lang in intended]
+def iter_lines(texts: Iterable[str]) -> Iterable[str]:
+    """The non-empty lines of ``texts``, stripped."""
+    for t in texts:
+        for line in t.splitlines():
+            if line.strip():
+                yield line.strip()
 
 
 def read_lines(path, limit: int | None = None) -> list[str]:
     """Non-empty, stripped lines of a UTF-8 text file (the unit of a line-aligned parallel file)."""
-    from pathlib import Path
-
     lines = [line.strip() for line in Path(path).read_text(encoding="utf-8").splitlines()]
     lines = [line for line in lines if line]
     return lines[:limit] if limit else lines
@@ -266,10 +266,3 @@ def report(texts_by_language: Mapping[str, Sequence[str]], tokenizer, parallel: 
         for lang, p in token_premium({k: f.tokens for k, f in results.items()}).items():
             out[lang]["premium"] = p
     return out
-
-
-def iter_lines(texts: Iterable[str]) -> Iterable[str]:
-    for t in texts:
-        for line in t.splitlines():
-            if line.strip():
-                yield line.strip()
