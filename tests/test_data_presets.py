@@ -6,6 +6,7 @@ import pytest
 from hydra.utils import instantiate
 from omegaconf import open_dict
 
+from bnlit.data.shards import is_validation
 from bnlit.errors import DataError
 from helpers_data import document
 
@@ -80,3 +81,25 @@ def test_mixture_preset_runs_on_local_fixtures_and_writes_the_data_report(make_c
     md = (tmp_path / "run" / "data_report.md").read_text()
     assert "fineweb2_bn | dedup | exact" in md and "length:min_chars" in md
     assert dm.mixture["unit"] == "chars"
+
+
+def test_an_evaluation_file_is_checked_against_the_runs_training_text(make_cfg, tmp_path):
+    from bnlit.data.report import check_against_training, validation_decontaminated
+
+    cfg = make_cfg("data=files", "model.config.vocab_size=400", "data.seq_len=32")
+    bn = [document(i) for i in range(30)]
+    en = [document(i, "en") for i in range(30)]
+    write_fixture(tmp_path / "bn.parquet", bn)
+    write_fixture(tmp_path / "en.jsonl", en)
+    with open_dict(cfg):
+        cfg.data.sources[0].path, cfg.data.sources[1].path = str(tmp_path / "bn.parquet"), str(tmp_path / "en.jsonl")
+        cfg.data.sources[0].max_docs = cfg.data.sources[1].max_docs = None
+    dm = instantiate(cfg.data, _recursive_=False)
+    dm.prepare_data()
+    run = tmp_path / "run"
+    assert validation_decontaminated(run) is True and validation_decontaminated(tmp_path) is None
+    kept = set(dm._documents(dm.sources[0], None))
+    train_doc = next(t for t in bn if t in kept and not is_validation(t, cfg.data.val_fraction))
+    copied = " ".join(train_doc.split()[5:40])
+    r = check_against_training([copied, document(777)], run)
+    assert r["docs"] == 2 and r["eval_docs_contaminated"] == 1 and r["contamination_rate"] == 0.5

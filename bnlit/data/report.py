@@ -143,3 +143,41 @@ def log_report(trainer, report: dict) -> None:
     log_table(trainer, "data/dropped", DROPPED_COLUMNS, dropped_rows(report))
     if report["decontam"]:
         log_table(trainer, "data/decontam", DECONTAM_COLUMNS, decontam_rows(report))
+
+
+def read_report(run_dir: str | os.PathLike) -> dict | None:
+    path = Path(run_dir) / REPORT_JSON
+    import json
+
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def validation_decontaminated(run_dir: str | os.PathLike) -> bool | None:
+    """What an evaluation output should state: True/False from the run's data report, None when
+    the run has no report."""
+    report = read_report(run_dir)
+    return None if report is None else bool(report.get("validation_decontaminated"))
+
+
+def check_against_training(eval_texts, run_dir: str | os.PathLike, ngram: int | None = None,
+                           min_overlap: float | None = None, name: str = "eval") -> dict:
+    """Contamination of an evaluation file's texts by the run's cleaned training documents (for
+    an evaluation tool given a file after training): :meth:`bnlit.data.decontam.EvalSet.summary`
+    plus ``checked_against``. Needs the run's cleaning cache (``clean_dir`` in the report)."""
+    from bnlit.data.decontam import contamination
+    from bnlit.data.normalize import normalize_text
+    from bnlit.data.pipeline import read_clean
+    from bnlit.data.shards import is_validation
+    from bnlit.errors import DataError
+
+    report = read_report(run_dir)
+    if report is None or not report.get("clean_dir") or not Path(report["clean_dir"]).is_dir():
+        raise DataError(f"{run_dir}: no data report with a cleaning cache to check against; "
+                        "train with data.clean enabled, or keep paths.cache_dir")
+    dc = (report.get("clean_config") or {}).get("decontam", {})
+    frac = report["val_fraction"]
+    train = (t for name_ in report["sources"] for t in read_clean(report["clean_dir"], name_)
+             if not is_validation(t, frac))
+    out = contamination((normalize_text(t) for t in eval_texts), train, ngram or dc.get("ngram", 13),
+                        dc.get("min_overlap", 0.05) if min_overlap is None else min_overlap, name)
+    return dict(out, checked_against=report["clean_dir"])
