@@ -245,18 +245,23 @@ def test_score_is_the_length_normalised_continuation_loglik():
     assert out["chance"] == pytest.approx(1 / 3) and out["n"] == 1
 
 
-def _train_to_prefer(items, labels, steps=150):
+def _train_to_prefer(items, labels, steps=100):
+    """A small model fitted to ``context + choices[label]`` of every item (one padded batch)."""
     tok = CharTokenizer()
     torch.manual_seed(0)
     model = Transformer(ModelConfig(name="mc", vocab_size=128, dim=64, n_layer=2, n_head=4, multiple_of=32,
                                     max_seq_len=128, tie_embeddings=True))
-    texts = [token_stream([tok.encode(it.context + it.choices[k])], tok.eos_id) for it, k in zip(items, labels)]
+    seqs = [torch.as_tensor(token_stream([tok.encode(it.context + it.choices[k])], tok.eos_id))
+            for it, k in zip(items, labels)]
+    width = max(len(s) for s in seqs)
+    batch = torch.full((len(seqs), width), -100)
+    for i, s in enumerate(seqs):
+        batch[i, :len(s)] = s
+    x, y = batch[:, :-1].clamp(min=0), batch[:, 1:]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for step in range(steps):
-        for s in texts[step % 4::4]:
-            x = torch.as_tensor(s)
-            loss = F.cross_entropy(model(x[None, :-1])[0], x[1:])
-            loss.backward()
+    for _ in range(steps):
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=-100)
+        loss.backward()
         opt.step()
         opt.zero_grad()
     return model, tok
@@ -272,3 +277,12 @@ def test_mc_scorer_picks_the_planted_answer():
     assert out["acc_norm"] == 0.0 and out["chance"] == pytest.approx(1 / 3)
     relabelled = [MCItem(it.context, it.choices, k) for it, k in zip(items, planted)]
     assert score_items(model, tok, relabelled, max_len=128)["acc_norm"] == 1.0
+
+
+def test_callback_rejects_bad_settings():
+    from bnlit.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="max_tokens"):
+        RandomTwinNLL(max_tokens=1)
+    with pytest.raises(ConfigError, match="every_n_validations"):
+        RandomTwinNLL(every_n_validations=-1)
