@@ -1,0 +1,324 @@
+"""Throughput benchmark: ``python scripts/bench.py [--json]``.
+
+CPU (no CUDA device): in one process, the same model, data and batches through (a) a plain
+PyTorch training loop written below and (b) bnlit's Lightning path (``LMModule`` + ``L.Trainer``
+built from the real config with the default callbacks), alternated over ``--reps`` repetitions,
+plus the Lightning path without the gradient-flow arbiter and with it checking every step.
+Prints tokens/s of each, ``lightning_vs_raw``, the arbiter's step-time ratios, the data loader's
+share of the raw loop's step time, and MFU against this CPU's measured matmul peak.
+
+Like for like: validation is off and checkpoints fall outside the timed steps (the raw loop does
+neither); the first ``--warmup`` optimizer steps are not timed (the arbiter's one-time parity probe
+is among them). Every other default callback runs: NaN guard, arbiter, MFU monitor, LR monitor,
+progress bar, CSV logger (the W&B default is swapped for CSV).
+
+CUDA: the ``400m`` preset at seq 2048 on the ``trainer=h100`` fast path (bf16-mixed, compiled
+fullgraph, flash SDPA, fused AdamW) on random tokens through a pinned, prefetching loader, a few
+warm-up and ``--steps`` timed steps; prints tokens/s, MFU against the datasheet peak and the peak
+allocated memory. A micro-batch that does not fit is halved and retried (the figure says which ran).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+from omegaconf import DictConfig, open_dict
+from torch.utils.data import DataLoader
+
+import bnlit.resolvers  # noqa: F401
+from bnlit import CONF_DIR
+from bnlit.data.dataset import PackedWindows
+from bnlit.flops import flops_per_token
+from bnlit.module import next_token_loss, param_groups
+from bnlit.perf import resolve_peak
+from bnlit.train import instantiate_group
+
+
+def arbiter_available() -> tuple[bool, str | None]:
+    """Whether ``callbacks.gradient_flow.GradientFlowArbiter`` can be imported (imported lazily:
+    the benchmark runs without it)."""
+    try:
+        from callbacks.gradient_flow import GradientFlowArbiter  # noqa: F401
+    except ImportError as e:
+        return False, f"callbacks.gradient_flow.GradientFlowArbiter not importable ({e}); arbiter figures are null"
+    return True, None
+
+
+def make_cfg(overrides: list[str], run_dir: Path) -> DictConfig:
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=overrides)
+    with open_dict(cfg):
+        cfg.paths.output_dir = str(run_dir)
+    return cfg
+
+
+class Clock(L.Callback):
+    """Wall time from the end of optimizer step ``warmup`` to the end of step ``warmup + steps``
+    (CUDA synchronised at both ends)."""
+
+    def __init__(self, warmup: int, steps: int):
+        self.warmup, self.steps = warmup, steps
+        self.t0 = self.t1 = None
+        self.tokens = 0
+
+    def _now(self, pl_module) -> float:
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)
+        return time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.warmup and self.t0 is None:
+            self.t0 = self._now(pl_module)
+        elif self.t0 is not None and self.t1 is None:
+            self.tokens += batch[0].numel()
+            if trainer.global_step == self.warmup + self.steps:
+                self.t1 = self._now(pl_module)
+
+    @property
+    def tokens_per_s(self) -> float:
+        if self.t0 is None or self.t1 is None:
+            raise RuntimeError("bench: the timed steps did not complete")
+        return self.tokens / (self.t1 - self.t0)
+
+
+def lightning_run(cfg: DictConfig, datamodule, warmup: int, steps: int, train_dataloaders=None) -> dict:
+    """bnlit's path as ``bnlit.train.train`` builds it (minus validation); tokens/s of the timed steps."""
+    torch.manual_seed(cfg.seed)
+    model = instantiate(cfg.model)
+    scheduler = instantiate(cfg.scheduler) if cfg.get("scheduler") else None
+    module = instantiate(cfg.module)(model=model, optimizer=instantiate(cfg.optimizer), scheduler=scheduler)
+    clock = Clock(warmup, steps)
+    callbacks = [*instantiate_group(cfg.get("callbacks")), clock]
+    loggers = instantiate_group(cfg.get("logger"))
+    trainer: L.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
+    trainer.fit(module, datamodule=datamodule, train_dataloaders=train_dataloaders)
+    mfu = next((c for c in callbacks if type(c).__name__ == "MFUMonitor"), None)
+    return {"tokens_per_s": clock.tokens_per_s, "monitor": dict(mfu.last) if mfu else {}}
+
+
+def raw_run(cfg: DictConfig, datamodule, warmup: int, steps: int) -> dict:
+    """The same model, optimizer, schedule, clipping and batches in a plain PyTorch loop."""
+    torch.manual_seed(cfg.seed)
+    model = instantiate(cfg.model)
+    optimizer = instantiate(cfg.optimizer)(param_groups(model, cfg.optimizer.weight_decay))
+    scheduler = instantiate(cfg.scheduler)(optimizer)
+    clip = cfg.trainer.gradient_clip_val
+    batches = iter(datamodule.train_dataloader())
+    model.train()
+    tokens, fetch, t0 = 0, 0.0, None
+    for i in range(warmup + steps):
+        if i == warmup:
+            tokens, fetch, t0 = 0, 0.0, time.perf_counter()
+        tf = time.perf_counter()
+        x, y = next(batches)
+        fetch += time.perf_counter() - tf
+        loss = next_token_loss(model(x), y)
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        tokens += x.numel()
+    elapsed = time.perf_counter() - t0
+    return {"tokens_per_s": tokens / elapsed, "data_share": fetch / elapsed}
+
+
+def cpu_bench(args, run_root: Path) -> dict:
+    have_arbiter, note = arbiter_available()
+    base = [f"model={args.model}", "logger=csv", "trainer.limit_val_batches=0", "validate_at_start=false",
+            f"trainer.max_steps={args.warmup + args.steps}",
+            f"callbacks.model_checkpoint.every_n_train_steps={10 * (args.warmup + args.steps)}",
+            *(["data.seq_len=" + str(args.seq_len)] if args.seq_len else []),
+            *(["data.batch_size=" + str(args.batch_size)] if args.batch_size else []), *args.override]
+    variants: dict[str, list[str]] = {"lightning": []}
+    if have_arbiter:
+        variants["lightning_no_arbiter"] = ["~callbacks.gradient_flow"]
+        variants["lightning_arbiter_every_step"] = ["callbacks.gradient_flow.every_n_steps=1"]
+    else:
+        variants["lightning"] = ["~callbacks.gradient_flow"]
+    cfgs = {name: make_cfg(base + extra, run_root / name) for name, extra in variants.items()}
+    cfg = cfgs["lightning"]
+    datamodule = instantiate(cfg.data)
+    datamodule.prepare_data()
+    datamodule.setup("fit")
+
+    order = ["raw", *variants]
+    tps: dict[str, list[float]] = {k: [] for k in order}
+    data_share, monitor = [], {}
+    for rep in range(args.reps):
+        for name in order[rep % len(order):] + order[: rep % len(order)]:  # rotate who goes first
+            if name == "raw":
+                r = raw_run(cfg, datamodule, args.warmup, args.steps)
+                data_share.append(r["data_share"])
+            else:
+                r = lightning_run(cfgs[name], datamodule, args.warmup, args.steps)
+                if name == "lightning":
+                    monitor = r["monitor"]
+            tps[name].append(r["tokens_per_s"])
+            print(f"rep {rep + 1}/{args.reps} {name:30s} {r['tokens_per_s']:10,.0f} tokens/s", file=sys.stderr, flush=True)
+
+    # best of the repetitions: on a shared machine other load only ever slows a run down, so the
+    # fastest repetition of each variant is the least disturbed one (timeit's rule); medians too
+    best = {k: max(v) for k, v in tps.items()}
+    med = {k: statistics.median(v) for k, v in tps.items()}
+    model_cfg = instantiate(cfg.model.config)
+    fpt = flops_per_token(model_cfg, cfg.data.seq_len)
+    peak = resolve_peak("cpu", torch.float32)
+    out = {
+        "device": "cpu", "threads": torch.get_num_threads(), "model": model_cfg.name,
+        "seq_len": cfg.data.seq_len, "batch_size": cfg.data.batch_size, "warmup_steps": args.warmup,
+        "timed_steps": args.steps, "reps": args.reps,
+        "load_average_1m": os.getloadavg()[0], "cpu_count": os.cpu_count(),
+        "tokens_per_s_raw": best["raw"], "tokens_per_s_lightning": best["lightning"],
+        "lightning_vs_raw": best["lightning"] / best["raw"],
+        "lightning_vs_raw_median": med["lightning"] / med["raw"],
+        "arbiter_overhead_ratio_default": None, "arbiter_overhead_ratio_every_step": None,
+        "arbiter_every_n_steps_default": None, "arbiter_note": note,
+        "data_loader_share": statistics.median(data_share),
+        "lightning_data_wait_pct": monitor.get("perf/data_wait_pct"),
+        "flops_per_token": fpt, "peak_flops": peak.flops, "peak_source": peak.source,
+        "mfu_cpu_pct_raw": 100 * fpt * best["raw"] / peak.flops,
+        "mfu_cpu_pct_lightning": 100 * fpt * best["lightning"] / peak.flops,
+        "peak_rss_gib": monitor.get("memory/peak_rss_gib"),
+        "runs_tokens_per_s": tps,
+    }
+    if have_arbiter:
+        # step-time ratio with / without the arbiter (1.01 = 1% slower)
+        out["arbiter_overhead_ratio_default"] = best["lightning_no_arbiter"] / best["lightning"]
+        out["arbiter_overhead_ratio_every_step"] = best["lightning_no_arbiter"] / best["lightning_arbiter_every_step"]
+        out["arbiter_overhead_ratio_default_median"] = med["lightning_no_arbiter"] / med["lightning"]
+        out["arbiter_overhead_ratio_every_step_median"] = (med["lightning_no_arbiter"]
+                                                           / med["lightning_arbiter_every_step"])
+        out["arbiter_every_n_steps_default"] = int(cfg.callbacks.gradient_flow.every_n_steps)
+        out["arbiter_note"] = ("step-time ratio with/without GradientFlowArbiter; its one-time parity probe at "
+                               "step 1 is in the untimed warm-up")
+    return out
+
+
+def cuda_bench(args, run_root: Path) -> dict:
+    """400m at seq 2048 on trainer=h100 settings, random tokens, one optimizer step per micro-batch."""
+    torch.set_float32_matmul_precision("high")
+    device = torch.device("cuda", torch.cuda.current_device())
+    seq_len = args.seq_len or 2048
+    micro = args.batch_size or 16
+    have_arbiter, note = arbiter_available()
+    total = args.warmup + args.steps
+    while True:
+        overrides = [f"model={args.model}", "trainer=h100", "logger=csv",
+                     f"data.seq_len={seq_len}", f"data.batch_size={micro}", "trainer.accumulate_grad_batches=1",
+                     f"trainer.max_steps={total}", "trainer.limit_val_batches=0", "validate_at_start=false",
+                     "trainer.enable_progress_bar=false", "~callbacks.progress_bar",
+                     f"callbacks.model_checkpoint.every_n_train_steps={10 * total}",
+                     # both read the tokenizer and held-out text of a data module; this one is random tokens
+                     "~callbacks.fertility", "~callbacks.random_twin",
+                     f"callbacks.mfu.warmup_steps={args.warmup}",
+                     *([] if have_arbiter else ["~callbacks.gradient_flow"]),
+                     # the eager fp32 parity probe with math attention at this size needs far more
+                     # memory than training; --parity turns it back on
+                     *([] if args.parity or not have_arbiter else ["callbacks.gradient_flow.fast_path_parity=false"]),
+                     *args.override]
+        cfg = make_cfg(overrides, run_root / f"cuda_mb{micro}")
+        vocab = cfg.model.config.vocab_size
+        tokens = np.random.default_rng(0).integers(0, vocab, size=micro * total * seq_len + 1, dtype=np.int64)
+        loader = DataLoader(PackedWindows(tokens, seq_len), batch_size=micro, shuffle=False, drop_last=True,
+                            num_workers=cfg.data.num_workers, pin_memory=True,
+                            persistent_workers=cfg.data.num_workers > 0,
+                            prefetch_factor=cfg.data.get("prefetch_factor") if cfg.data.num_workers > 0 else None)
+        torch.cuda.reset_peak_memory_stats(device)
+        t_start = time.perf_counter()
+        try:
+            r = lightning_run(cfg, None, args.warmup, args.steps, train_dataloaders=loader)
+            break
+        except torch.OutOfMemoryError:
+            if micro == 1:
+                raise
+            print(f"bench: micro-batch {micro} ran out of memory; retrying with {micro // 2}", file=sys.stderr)
+            micro //= 2
+            torch._dynamo.reset()
+            torch.cuda.empty_cache()
+    wall = time.perf_counter() - t_start
+    model_cfg = instantiate(cfg.model.config)
+    fpt = flops_per_token(model_cfg, seq_len)
+    peak = resolve_peak(device, torch.bfloat16)
+    return {
+        "device": torch.cuda.get_device_name(device), "device_key": peak.key, "model": model_cfg.name,
+        "seq_len": seq_len, "micro_batch": micro, "warmup_steps": args.warmup, "timed_steps": args.steps,
+        "precision": cfg.trainer.precision, "compile": cfg.module.compile, "fullgraph": cfg.module.fullgraph,
+        "sdpa_backend": cfg.module.sdpa_backend, "fused_adamw": cfg.optimizer.fused,
+        "tokens_per_s": r["tokens_per_s"], "flops_per_token": fpt, "tflops": fpt * r["tokens_per_s"] / 1e12,
+        "peak_flops": peak.flops, "peak_measured": peak.measured, "peak_source": peak.source,
+        "mfu_pct": 100 * fpt * r["tokens_per_s"] / peak.flops,
+        "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+        "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30,
+        "monitor": r["monitor"], "arbiter_note": note, "fit_wall_s": wall,
+        "parity_probe": bool(args.parity),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", action="store_true", help="print one JSON object (progress goes to stderr)")
+    ap.add_argument("--model", default=None, help="preset (CPU default: tiny; CUDA default: 400m)")
+    ap.add_argument("--seq-len", type=int, default=None, help="default: the config's (CPU 256, CUDA 2048)")
+    ap.add_argument("--batch-size", type=int, default=None, help="micro-batch; default: the config's")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed optimizer steps (CPU 5, CUDA 5)")
+    ap.add_argument("--steps", type=int, default=None, help="timed optimizer steps (CPU 100, CUDA 20)")
+    ap.add_argument("--reps", type=int, default=3, help="CPU: alternated repetitions")
+    ap.add_argument("--threads", type=int, default=None, help="CPU: torch threads")
+    ap.add_argument("--parity", action="store_true", help="CUDA: keep the arbiter's fp32 parity probe")
+    ap.add_argument("--cpu", action="store_true", help="run the CPU benchmark even if CUDA is available")
+    ap.add_argument("--override", action="append", default=[], help="extra Hydra override (repeatable)")
+    args = ap.parse_args(argv)
+    cuda = torch.cuda.is_available() and not args.cpu
+    args.model = args.model or ("400m" if cuda else "tiny")
+    args.warmup = 5 if args.warmup is None else args.warmup
+    args.steps = args.steps or (20 if cuda else 100)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    for name in ("lightning.pytorch", "lightning.fabric", "bnlit"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    os.environ.setdefault("WANDB_MODE", "disabled")
+    # the Trainer prints model summaries to stdout: keep stdout for the result alone
+    with tempfile.TemporaryDirectory(prefix="bnlit_bench_") as tmp, contextlib.redirect_stdout(sys.stderr):
+        result = cuda_bench(args, Path(tmp)) if cuda else cpu_bench(args, Path(tmp))
+    if args.json:
+        print(json.dumps(result, indent=2, default=str))
+    elif cuda:
+        print(f"{result['device']}: {result['model']} seq {result['seq_len']} micro-batch {result['micro_batch']}: "
+              f"{result['tokens_per_s']:,.0f} tokens/s, {result['tflops']:.1f} TFLOP/s, MFU {result['mfu_pct']:.1f}% "
+              f"of {result['peak_flops'] / 1e12:.1f} TFLOP/s, peak memory {result['peak_memory_gib']:.1f} GiB")
+    else:
+        fmt = lambda v, f: "null" if v is None else format(v, f)  # noqa: E731
+        print(f"cpu ({result['threads']} threads), {result['model']} seq {result['seq_len']} batch {result['batch_size']}, "
+              f"{result['timed_steps']} timed steps x {result['reps']} reps (best of; load average "
+              f"{result['load_average_1m']:.1f} on {result['cpu_count']} cores)")
+        print(f"  raw PyTorch loop   {result['tokens_per_s_raw']:10,.0f} tokens/s")
+        print(f"  bnlit Lightning    {result['tokens_per_s_lightning']:10,.0f} tokens/s  "
+              f"lightning_vs_raw {result['lightning_vs_raw']:.3f} (medians: {result['lightning_vs_raw_median']:.3f})")
+        print(f"  arbiter step-time ratio: every {result['arbiter_every_n_steps_default']} steps "
+              f"{fmt(result['arbiter_overhead_ratio_default'], '.3f')}, every step "
+              f"{fmt(result['arbiter_overhead_ratio_every_step'], '.3f')}")
+        print(f"  data loader share of raw step time {100 * result['data_loader_share']:.1f}%; "
+              f"Lightning data wait {fmt(result['lightning_data_wait_pct'], '.1f')}%")
+        print(f"  MFU {result['mfu_cpu_pct_lightning']:.2f}% (raw {result['mfu_cpu_pct_raw']:.2f}%) of the measured "
+              f"matmul peak {result['peak_flops'] / 1e9:.1f} GFLOP/s")
+    return result
+
+
+if __name__ == "__main__":
+    main()
