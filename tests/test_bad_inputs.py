@@ -6,6 +6,7 @@ foreign run dir, hub without network) live in test_train.py and test_data.py."""
 from __future__ import annotations
 
 import errno
+import shutil
 import sys
 from pathlib import Path
 
@@ -19,30 +20,32 @@ from bnlit.train import main
 from conftest import TINY
 
 
+def run_main(run_dir: Path, *overrides: str, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["bnlit.train", *TINY, f"hydra.run.dir={run_dir}", *overrides])
+    capsys.readouterr()
+    try:
+        main()
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    err = [l for l in capsys.readouterr().err.splitlines() if l.strip() and not l.startswith(("[", "INFO", "WARNING"))]
+    return code, err
+
+
 @pytest.fixture
 def cli(monkeypatch, capsys, cache_dir):
     """``cli(run_dir, *overrides) -> (exit code, stderr lines)`` through ``main`` in this process."""
-
-    def _run(run_dir: Path, *overrides: str):
-        monkeypatch.setattr(sys, "argv", ["bnlit.train", *TINY, f"hydra.run.dir={run_dir}", *overrides])
-        capsys.readouterr()
-        try:
-            main()
-            code = 0
-        except SystemExit as e:
-            code = e.code
-        err = [l for l in capsys.readouterr().err.splitlines() if l.strip() and not l.startswith(("[", "INFO", "WARNING"))]
-        return code, err
-
-    return _run
+    return lambda run_dir, *overrides: run_main(run_dir, *overrides, monkeypatch=monkeypatch, capsys=capsys)
 
 
-@pytest.fixture
-def good_run(cli, tmp_path):
-    """A finished 4-step run, and the bytes of its last checkpoint."""
-    run = tmp_path / "good"
-    code, err = cli(run)
-    assert code == 0, err
+@pytest.fixture(scope="module")
+def good_run(cache_dir, tmp_path_factory):
+    """A finished 4-step run shared by the checkpoint cases (none may change it), and the bytes of
+    its last checkpoint."""
+    run = tmp_path_factory.mktemp("good") / "run"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sys, "argv", ["bnlit.train", *TINY, f"hydra.run.dir={run}"])
+        main()
     last = run / "checkpoints" / "last.ckpt"
     return run, last, last.read_bytes()
 
@@ -96,18 +99,20 @@ def test_config_typo_names_the_key(tmp_path, cache_dir):
     assert not (tmp_path / "r").exists()  # refused before any output
 
 
-def test_shard_that_does_not_match_its_index(cli, tmp_path, monkeypatch):
-    monkeypatch.setenv("BNLIT_CACHE", str(tmp_path / "cache"))  # a private cache: this test damages it
-    code, err = cli(tmp_path / "first", "trainer.max_steps=1")
-    assert code == 0, err
-    shard = next((tmp_path / "cache" / "shards").glob("*/*.train.bin"))
-    with open(shard, "r+b") as f:
-        f.truncate(shard.stat().st_size - 2)
-    code, err = cli(tmp_path / "second", "trainer.max_steps=1")
+def test_shard_that_does_not_match_its_index(cli, good_run, cache_dir, tmp_path, monkeypatch):
+    run, last, before = good_run
+    cache = tmp_path / "cache"
+    shutil.copytree(cache_dir, cache)  # a private copy of the built cache: this test damages it
+    damaged = sorted(cache.glob("shards/*/*.train.bin"))  # every shard set the session built so far
+    for shard in damaged:
+        with open(shard, "r+b") as f:
+            f.truncate(shard.stat().st_size - 2)
+    code, err = cli(tmp_path / "second", "trainer.max_steps=1", f"paths.cache_dir={cache}")
     assert code == 2
     line = only_error(err)
-    assert line.startswith(f"error: shard {shard} does not match its index (") and "delete" in line
-    assert (tmp_path / "first" / "checkpoints" / "last.ckpt").is_file()
+    named = line.split("error: shard ", 1)[1].split(" does not match its index (", 1)[0]
+    assert Path(named) in damaged and "; delete " in line and line.endswith(" to rebuild")
+    assert last.read_bytes() == before
 
 
 def test_hub_dataset_without_network_through_a_run(cli, tmp_path, monkeypatch):
