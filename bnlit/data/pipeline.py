@@ -141,6 +141,10 @@ def clean_sources(
         if pool is not None:
             pool.close()
             pool.join()
+    for name, st in stats["sources"].items():
+        log.info("clean %s: kept %d of %d documents (filters %s, dedup exact %d near %d, decontam %d)", name,
+                 st["kept_docs"], st["input_docs"], st["filters"]["docs"] or "{}", st["dedup"]["exact"],
+                 st["dedup"]["near"], st["decontam"]["docs"])
     (tmp / STATS_FILE).write_text(json.dumps(stats, indent=2))
     try:
         os.replace(tmp, out_dir)
