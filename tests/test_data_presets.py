@@ -91,12 +91,20 @@ def test_an_evaluation_file_is_checked_against_the_runs_training_text(make_cfg, 
     en = [document(i, "en") for i in range(30)]
     write_fixture(tmp_path / "bn.parquet", bn)
     write_fixture(tmp_path / "en.jsonl", en)
+    bench = tmp_path / "bench.jsonl"  # a benchmark whose first item is copied into an English training document
+    write_fixture(bench, [" ".join(en[3].split()[:30]), document(888, "en")])
     with open_dict(cfg):
         cfg.data.sources[0].path, cfg.data.sources[1].path = str(tmp_path / "bn.parquet"), str(tmp_path / "en.jsonl")
         cfg.data.sources[0].max_docs = cfg.data.sources[1].max_docs = None
+        cfg.data.clean.decontam.eval_files = [{"path": str(bench), "name": "bench"}]
     dm = instantiate(cfg.data, _recursive_=False)
     dm.prepare_data()
     run = tmp_path / "run"
+    report = json.loads((run / "data_report.json").read_text())
+    assert not is_validation(en[3], cfg.data.val_fraction)  # the copy sits on the training side
+    assert report["decontam"]["eval/bench"]["eval_docs_contaminated"] == 1
+    assert report["sources"]["en"]["dropped"]["decontam"]["by_set"]["eval/bench"] == 1
+    assert report["decontam"]["eval/bench"]["docs"] == 2
     assert validation_decontaminated(run) is True and validation_decontaminated(tmp_path) is None
     kept = set(dm._documents(dm.sources[0], None))
     train_doc = next(t for t in bn if t in kept and not is_validation(t, cfg.data.val_fraction))

@@ -59,7 +59,7 @@ class DecontamConfig:
         unknown = sorted(set(d) - set(cls.__dataclass_fields__))
         if unknown:
             raise ConfigError(f"data.clean.decontam: unknown keys {unknown}; known: {sorted(cls.__dataclass_fields__)}")
-        d["eval_files"] = list(d.get("eval_files") or [])
+        d["eval_files"] = [f if isinstance(f, str) else dict(f) for f in (d.get("eval_files") or [])]
         return cls(**d)
 
     def to_dict(self) -> dict:
