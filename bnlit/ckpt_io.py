@@ -31,16 +31,16 @@ def _fsync_dir(directory: Path) -> None:
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """``TorchCheckpointIO`` with write-then-rename saves and ``weights_only`` loads.
+    """``TorchCheckpointIO`` with write-then-rename saves and ``weights_only`` loads."""
 
-    Args:
-        preloaded: ``{path: checkpoint}`` already read (and validated) by the caller; the first
-            ``load_checkpoint`` of that path returns it instead of reading the file a second time.
-    """
-
-    def __init__(self, preloaded: dict[str, dict[str, Any]] | None = None):
+    def __init__(self):
         super().__init__()
-        self._preloaded = dict(preloaded or {})
+        self._preloaded: dict[str, dict[str, Any]] = {}
+
+    def preload(self, path, checkpoint: dict[str, Any]) -> None:
+        """Hand over a checkpoint the caller already read (and validated): the next
+        ``load_checkpoint(path)`` returns it, and drops it, instead of reading the file again."""
+        self._preloaded[str(path)] = checkpoint
 
     def _serialize(self, checkpoint: dict[str, Any], f: IO[bytes]) -> None:
         torch.save(checkpoint, f)

@@ -103,10 +103,13 @@ def train(cfg: DictConfig) -> dict[str, float]:
     check_config(cfg)
     checkpoint_dir = Path(cfg.paths.checkpoint_dir)
     ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), checkpoint_dir, cfg.get("overwrite", False))
-    preloaded = {}
-    if ckpt_path is not None:  # validate before Lightning sees it; AtomicCheckpointIO reuses this load
-        preloaded[ckpt_path] = read_checkpoint(ckpt_path)
-        check_resume(cfg, ckpt_path, preloaded[ckpt_path])
+    ckpt_io = AtomicCheckpointIO()
+    if ckpt_path is not None:  # validate before Lightning sees it
+        checkpoint = read_checkpoint(ckpt_path)
+        check_resume(cfg, ckpt_path, checkpoint)
+        if "FSDP" not in str(cfg.trainer.get("strategy")):  # FSDP loads files itself, not via CheckpointIO
+            ckpt_io.preload(ckpt_path, checkpoint)  # Lightning's load takes it: the file is read once
+        del checkpoint  # hold no reference to optimizer states during training
     L.seed_everything(cfg.seed, workers=True)
     if torch.cuda.is_available():
         torch.set_float32_matmul_precision("high")
@@ -118,7 +121,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     callbacks = instantiate_group(cfg.get("callbacks"))
     loggers = instantiate_group(cfg.get("logger"), {"tags": run_tags(cfg), "group": sweep_group()})
     trainer: L.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False,
-                                     plugins=[AtomicCheckpointIO(preloaded=preloaded)])
+                                     plugins=[ckpt_io])
     for lg in loggers:
         lg.log_hyperparams(redact(OmegaConf.to_container(cfg, resolve=True)))
 

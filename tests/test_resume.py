@@ -145,3 +145,12 @@ def test_failed_save_leaves_the_previous_checkpoint_intact(tmp_path):
     assert path.read_bytes() == before
     assert sorted(p.name for p in path.parent.iterdir()) == ["last.ckpt"]  # no temp file left
     assert AtomicCheckpointIO().load_checkpoint(path)["global_step"] == 3
+
+
+def test_a_preloaded_checkpoint_is_returned_once(tmp_path):
+    path = tmp_path / "last.ckpt"
+    io = AtomicCheckpointIO()
+    io.save_checkpoint({"global_step": 1}, path)
+    io.preload(path, {"global_step": 7})
+    assert io.load_checkpoint(path)["global_step"] == 7  # the caller's validated copy, not re-read
+    assert io.load_checkpoint(path)["global_step"] == 1  # and not kept afterwards
