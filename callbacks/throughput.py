@@ -9,7 +9,8 @@ warm-up) never enters the window; validation and checkpoint saves are left out o
 
 Logged on rank zero, per device and in total (world size x rank zero's rate: DDP ranks step in
 lockstep): ``perf/tokens_per_s``, ``perf/samples_per_s``, ``perf/tflops`` (and ``*_per_device``),
-``perf/mfu`` (percent of the device's peak; the peak and its source are logged at fit start),
+``perf/mfu`` (percent of the device's peak: ``perf/peak_tflops``, with ``perf/peak_measured`` 1.0
+when it is a measured matmul peak rather than a datasheet figure; the source is logged at fit start),
 ``perf/step_ms``, ``perf/data_wait_pct`` (share of wall time between a batch's end and the next
 one's start: the loader, host-to-device copy and loop bookkeeping), ``memory/peak_gib`` on CUDA
 (``torch.cuda.max_memory_allocated``) or ``memory/peak_rss_gib`` on CPU.
@@ -174,6 +175,9 @@ class MFUMonitor(Callback):
             metrics = {k: v for k, v in metrics.items() if "tflops" not in k}
         elif stats["mfu_pct"] is not None:
             metrics["perf/mfu"] = stats["mfu_pct"]
+        if peak is not None:  # what the MFU is relative to: 1.0 marks a measured (not datasheet) peak
+            metrics["perf/peak_tflops"] = self.peak.flops / 1e12
+            metrics["perf/peak_measured"] = float(self.peak.measured)
         key, gib = peak_memory_gib(pl_module.device)
         metrics[key] = gib
         self.last = metrics
