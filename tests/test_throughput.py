@@ -299,7 +299,8 @@ def test_bench_script_runs_on_cpu(cache_dir, capsys):
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     keep = [o for o in TINY if not o.startswith(("trainer.max_steps", "trainer.val_check", "trainer.limit_val",
-                                                  "callbacks.model_checkpoint", "logger", "~callbacks.progress_bar"))]
+                                                  "callbacks.model_checkpoint", "logger", "~callbacks.progress_bar",
+                                                  "trainer.enable_progress_bar"))]
     out = bench.main(["--json", "--warmup", "2", "--steps", "3", "--reps", "1", *(f"--override={o}" for o in keep)])
     printed = json.loads(capsys.readouterr().out)
     assert printed["lightning_vs_raw"] == pytest.approx(out["lightning_vs_raw"])
