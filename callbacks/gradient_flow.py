@@ -116,6 +116,7 @@ class GradientFlowArbiter(Callback):
         self._parity_done = False
         self._deferred = 0
         self._payload: dict[str, Any] = {}
+        self._parity_report: dict[str, Any] | None = None  # the latest, carried into every report
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -211,7 +212,7 @@ class GradientFlowArbiter(Callback):
                      report.num_ok, len(report.names), step, report.total_norm)
         if self._parity_due(trainer, step) and self._batch is not None:
             parity = self._parity(trainer, pl_module, reduce)
-            payload["fast_path_parity"] = parity.to_dict()
+            self._parity_report = {"step": step, "precision": str(trainer.precision), **parity.to_dict()}
             self._log_metrics(trainer, {"grad/parity_min_cosine": parity.worst_cosine,
                                         "grad/parity_max_rel_norm_error": parity.worst_rel_norm_error})
             if trainer.is_global_zero:
@@ -221,6 +222,8 @@ class GradientFlowArbiter(Callback):
                          len(parity.names), parity.worst_cosine, parity.worst_rel_norm_error)
             prefix = "model." if hasattr(pl_module, "model") else ""
             problems |= {prefix + n: why for n, why in parity.problems().items() if prefix + n not in problems}
+        if self._parity_report is not None:
+            payload["fast_path_parity"] = self._parity_report
         self._payload = {**payload, "ok": not problems}
         if problems:
             self._fail(trainer, step, "gradient-flow check", problems, payload)
@@ -265,3 +268,101 @@ class GradientFlowArbiter(Callback):
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         self._snapshot, self._batch = None, None
+
+
+# -- overhead measurement ---------------------------------------------------------------------------
+
+
+class _StepTimer(Callback):
+    """Wall time between consecutive ``on_train_batch_end`` calls (one optimizer step each)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+        self._last: float | None = None
+
+    def on_train_start(self, trainer, pl_module):
+        import time
+
+        self._last = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        import time
+
+        now = time.perf_counter()
+        self.times.append(now - self._last)
+        self._last = now
+
+
+def measure_overhead(
+    preset: str = "tiny", steps: int = 101, cadences: tuple[int | None, ...] = (None, 50, 1), repeats: int = 2,
+    batch_size: int = 16, seq_len: int = 256, threads: int | None = None, seed: int = 0,
+) -> dict[str, Any]:
+    """Mean optimizer-step time of a CPU fit of ``conf/model/<preset>.yaml`` on random tokens
+    without the arbiter (``None``) and with it at each cadence, runs alternating ``repeats``
+    times. Step 1 (membership, first check and the one-time parity probe) is reported apart;
+    the steady-state mean covers steps 2..``steps``, check steps included."""
+    from functools import partial
+    from statistics import mean
+
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from bnlit import CONF_DIR
+    from bnlit.module import LMModule
+
+    if threads:
+        torch.set_num_threads(threads)
+    preset_cfg = OmegaConf.load(CONF_DIR / "model" / f"{preset}.yaml")
+    n_tokens = batch_size * (seq_len + 1) * steps
+    data = torch.randint(0, preset_cfg.model.config.vocab_size, (n_tokens,), generator=torch.Generator().manual_seed(seed))
+    data = data.view(batch_size * steps, seq_len + 1)
+    loader = DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=batch_size)
+    times: dict[str, list[float]] = {}
+    first: dict[str, list[float]] = {}
+    for _ in range(repeats):
+        for cadence in cadences:
+            torch.manual_seed(seed)
+            model = instantiate(preset_cfg.model)
+            module = LMModule(model, optimizer=partial(torch.optim.AdamW, lr=float(preset_cfg.optimizer.lr),
+                                                       weight_decay=0.1, betas=(0.9, 0.95)))
+            timer = _StepTimer()
+            cbs = [] if cadence is None else [GradientFlowArbiter(every_n_steps=cadence)]
+            trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False,
+                                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                                gradient_clip_val=1.0, callbacks=[*cbs, timer], default_root_dir="/tmp/bnlit_gradflow_bench")
+            logging.getLogger("bnlit").setLevel(logging.WARNING)
+            trainer.fit(module, train_dataloaders=loader)
+            key = "off" if cadence is None else f"every_{cadence}"
+            first.setdefault(key, []).append(timer.times[0])
+            times.setdefault(key, []).append(mean(timer.times[1:]))
+    base, base_first = mean(times["off"]), mean(first["off"])
+    out: dict[str, Any] = {"preset": preset, "steps": steps, "batch_size": batch_size, "seq_len": seq_len,
+                           "threads": torch.get_num_threads(), "repeats": repeats,
+                           "step_s": {k: mean(v) for k, v in times.items()},
+                           "step_s_runs": times, "first_step_s": {k: mean(v) for k, v in first.items()}}
+    out["overhead"] = {k: mean(v) / base - 1.0 for k, v in times.items() if k != "off"}
+    out["first_step_extra_s"] = {k: mean(v) - base_first for k, v in first.items() if k != "off"}
+    return out
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Step-time overhead of GradientFlowArbiter (CPU, one process)")
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--steps", type=int, default=101)
+    ap.add_argument("--cadences", default="50,1", help="comma-separated every_n_steps values to time")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args()
+    result = measure_overhead(args.preset, args.steps, (None, *map(int, args.cadences.split(","))), args.repeats,
+                              args.batch_size, args.seq_len, args.threads)
+    import json
+
+    print(json.dumps(result, indent=2))
+    for k, v in result["overhead"].items():
+        print(f"{args.preset}: {k}: {100 * v:+.2f}% step time (off {result['step_s']['off'] * 1e3:.1f} ms, "
+              f"with {result['step_s'][k] * 1e3:.1f} ms); first step +{result['first_step_extra_s'][k]:.3f} s")
