@@ -16,8 +16,9 @@ all-reduce across ranks) so every rank reaches the same verdict, and the distrib
 together instead of leaving one rank waiting in a collective. ``sharded=True`` (FSDP) means each
 rank holds a shard of a parameter: a parameter is zero only when every shard is.
 
-The exactness matters: "zero" is decided by the max-abs norm (``max|g| == 0``), never by the L2
-norm, which underflows to 0 for gradients around 1e-23 in fp32.
+The exactness matters: one fused L2-norm pass finds the candidates, and a candidate is called zero
+or non-finite only after an exact re-check -- the fp32 L2 norm underflows to 0 for gradients around
+1e-23 and overflows to Inf above 1e19.
 """
 
 from __future__ import annotations
@@ -77,6 +78,25 @@ def _norms(tensors: Sequence[torch.Tensor], ord: float) -> list[torch.Tensor]:
 
 def _reduce(t: torch.Tensor, reduce: Reduce | None, op: str) -> torch.Tensor:
     return reduce(t, op) if reduce is not None else t
+
+
+def _classify(tensors: Sequence[torch.Tensor]) -> tuple[list[float], list[bool], list[bool]]:
+    """L2 norms, non-finite flags and all-zero flags, exact, in one fused pass and one host sync.
+
+    The L2 norm propagates NaN/Inf, and is 0 for an all-zero tensor; it can also overflow (|x| >
+    1e19 in fp32) or underflow (|x| < 1e-23) -- so the few tensors it flags are re-checked
+    exactly (``isfinite().all()``, ``any()``) before they are called non-finite or zero."""
+    l2 = torch.stack([n.to(tensors[0].device) for n in _norms(tensors, 2.0)]).cpu().tolist()
+    nonfinite = [not math.isfinite(n) for n in l2]
+    zero = [n == 0.0 for n in l2]
+    for i, t in enumerate(tensors):
+        if nonfinite[i]:
+            nonfinite[i] = not bool(torch.isfinite(t).all())
+        elif zero[i]:
+            zero[i] = not bool(t.any())
+        if not nonfinite[i] and not math.isfinite(l2[i]):
+            l2[i] = float(torch.linalg.vector_norm(t, dtype=torch.float64))  # overflowed in fp32
+    return l2, nonfinite, zero
 
 
 # ----------------------------------------------------------------------------------------------
@@ -154,24 +174,22 @@ def gradient_flow_report(
     if not params:
         return GradientFlowReport(names=[], norms={}, tied=tied, frozen=frozen, world_size=world_size)
     device = params[0][1].device
-    present = [(i, _local(p)) for i, (_, p) in enumerate(params)]
-    present = [(i, p) for i, p in present if p.numel() > 0]  # an FSDP rank may hold no shard
-    with_grad = [(i, _local(params[i][1].grad)) for i, _ in present if params[i][1].grad is not None]
     # columns: holds a shard, grad is None, non-finite, all zero, squared L2 norm (finite only)
-    stats = torch.zeros(len(params), 5, dtype=torch.float32, device=device)
-    for i, _ in present:
-        stats[i, 0] = 1.0
-        stats[i, 1] = 1.0
+    rows = [[0.0, 0.0, 0.0, 0.0, 0.0] for _ in params]
+    with_grad = []
+    for i, (_, p) in enumerate(params):
+        if _local(p).numel() == 0:
+            continue  # an FSDP rank may hold no shard of this parameter
+        rows[i][0] = 1.0
+        if p.grad is None:
+            rows[i][1] = 1.0
+        else:
+            with_grad.append((i, _local(p.grad)))
     if with_grad:
-        idx = torch.tensor([i for i, _ in with_grad], device=device)
-        grads = [g for _, g in with_grad]
-        maxabs = torch.stack(_norms(grads, INF)).to(device)
-        l2 = torch.stack(_norms(grads, 2.0)).to(device)
-        finite = torch.isfinite(maxabs)
-        stats[idx, 1] = 0.0
-        stats[idx, 2] = (~finite).float()
-        stats[idx, 3] = (maxabs == 0).float()
-        stats[idx, 4] = torch.where(finite, l2.square(), torch.zeros_like(l2))
+        l2, nonfinite, zero = _classify([g for _, g in with_grad])
+        for (i, _), n, bad, z in zip(with_grad, l2, nonfinite, zero):
+            rows[i][2], rows[i][3], rows[i][4] = float(bad), float(z), 0.0 if bad else n * n
+    stats = torch.tensor(rows, dtype=torch.float64 if device.type != "mps" else torch.float32, device=device)
     stats = _reduce(stats, reduce, "sum").cpu().tolist()
 
     report = GradientFlowReport(names=names, norms={}, tied=tied, frozen=frozen, world_size=world_size)
@@ -281,22 +299,32 @@ class ParameterSnapshot:
 
 
 def snapshot_parameters(named_parameters: NamedParameters,
-                        optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] = ()) -> ParameterSnapshot:
-    """Copy every trainable parameter (call right before ``optimizer.step()``)."""
+                        optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] = (),
+                        reuse: ParameterSnapshot | None = None) -> ParameterSnapshot:
+    """Copy every trainable parameter (call right before ``optimizer.step()``).
+
+    ``reuse``: an earlier snapshot whose buffers are refilled in place when the shapes match --
+    no allocation per check (a CUDA caching allocator would keep that memory reserved anyway; on
+    CPU fresh buffers cost page faults that dwarf the copy)."""
     if isinstance(optimizers, torch.optim.Optimizer):
         optimizers = [optimizers]
     params, _, _ = unique_trainable(named_parameters)
     groups = _group_of(optimizers)
-    snap = ParameterSnapshot(names=[], tensors=[], lrs={}, initial_lrs={}, groups={})
+    local = [_local(p).detach() for _, p in params]
+    snap = ParameterSnapshot(names=[n for n, _ in params], tensors=[], lrs={}, initial_lrs={}, groups={})
     with torch.no_grad():
-        for name, p in params:
-            snap.names.append(name)
-            snap.tensors.append(_local(p).detach().clone())
-            if id(p) in groups:
-                label, g = groups[id(p)]
-                snap.groups[name] = label
-                snap.lrs[name] = _lr(g, initial=False)
-                snap.initial_lrs[name] = _lr(g, initial=True)
+        if reuse is not None and [(t.shape, t.dtype, t.device) for t in reuse.tensors] == [
+                (t.shape, t.dtype, t.device) for t in local]:
+            snap.tensors = reuse.tensors
+            torch._foreach_copy_(snap.tensors, local)
+        else:
+            snap.tensors = [t.clone() for t in local]
+    for name, p in params:
+        if id(p) in groups:
+            label, g = groups[id(p)]
+            snap.groups[name] = label
+            snap.lrs[name] = _lr(g, initial=False)
+            snap.initial_lrs[name] = _lr(g, initial=True)
     return snap
 
 
@@ -341,7 +369,7 @@ def update_flow_report(
 ) -> UpdateFlowReport:
     """Compare the parameters after the optimizer step with ``before``; name every one whose
     update is exactly zero, saying why when the cause is visible (not in any param group, lr 0).
-    Frees the snapshot's memory (its tensors are overwritten with the update)."""
+    The snapshot's buffers are overwritten with the update (pass it as ``reuse`` next time)."""
     current = dict(unique_trainable(named_parameters)[0])
     names = [n for n in before.names if n in current]
     report = UpdateFlowReport(names=names, world_size=world_size)
@@ -350,20 +378,17 @@ def update_flow_report(
     after = [_local(current[n]).detach() for n in names]
     delta = [before.tensors[before.names.index(n)] for n in names]
     device = after[0].device
+    rows = [[0.0] * 5 for _ in names]  # holds a shard, update zero, non-finite, ||delta||^2, ||p||^2
     keep = [i for i, t in enumerate(after) if t.numel() > 0]
-    stats = torch.zeros(len(names), 5, dtype=torch.float32, device=device)
     if keep:
         a, d = [after[i] for i in keep], [delta[i] for i in keep]
         with torch.no_grad():
-            torch._foreach_sub_(d, a)  # d = before - after = -update
-            idx = torch.tensor(keep, device=device)
-            stats[idx, 0] = 1.0
-            stats[idx, 1] = (torch.stack(_norms(d, INF)).to(device) == 0).float()
-            stats[idx, 2] = (~torch.isfinite(torch.stack(_norms(a, INF)).to(device))).float()
-            stats[idx, 3] = torch.stack(_norms(d, 2.0)).to(device).square()
-            stats[idx, 4] = torch.stack(_norms(a, 2.0)).to(device).square()
-    before.tensors.clear()
-    stats = _reduce(stats, reduce, "sum").cpu().tolist()
+            torch._foreach_sub_(d, a)  # d = before - after = -update (before - before is exactly 0)
+        dn, _, dzero = _classify(d)
+        pn, pbad, _ = _classify(a)
+        for i, n_d, z, n_p, bad in zip(keep, dn, dzero, pn, pbad):
+            rows[i] = [1.0, float(z), float(bad), 0.0 if bad else n_d * n_d, 0.0 if bad else n_p * n_p]
+    stats = _reduce(torch.tensor(rows, dtype=torch.float64, device=device), reduce, "sum").cpu().tolist()
     for name, (held, zero, nonfinite, dsq, psq) in zip(names, stats):
         if held == 0:
             continue
