@@ -20,10 +20,9 @@ from omegaconf import DictConfig, OmegaConf
 
 import bnlit.resolvers  # noqa: F401  (registers ${bnlit.*} resolvers)
 from bnlit import CONF_DIR
-from bnlit.checkpoint import read_checkpoint
-from bnlit.ckpt_io import AtomicCheckpointIO
-from bnlit.errors import BnlitError, CheckpointError, ConfigError
-from bnlit.summary import redact, write_summary
+from bnlit.checkpointing import prepare_resume
+from bnlit.errors import BnlitError, ConfigError
+from bnlit.run_report import print_report, redact, run_tags, sweep_group, write_summary
 
 log = logging.getLogger("bnlit")
 
@@ -36,28 +35,6 @@ def check_config(cfg: DictConfig) -> None:
                           f"of preset {cfg.model.config.name}; lower data.seq_len or raise max_seq_len")
 
 
-def resolve_ckpt_path(ckpt_path: str | None, checkpoint_dir: Path, overwrite: bool) -> str | None:
-    """``None``: a fresh run, refused if the run dir already holds checkpoints (unless
-    ``overwrite``); ``"last"``: the newest checkpoint of this run dir; else an existing file."""
-    existing = sorted(checkpoint_dir.glob("*.ckpt")) if checkpoint_dir.is_dir() else []
-    if ckpt_path is None:
-        if existing and not overwrite:
-            raise CheckpointError(f"{checkpoint_dir} already holds checkpoints of another run; resume with "
-                                  "ckpt_path=last, choose a new hydra.run.dir, or pass overwrite=true")
-        return None
-    if ckpt_path == "last":
-        last = checkpoint_dir / "last.ckpt"
-        if last.is_file():
-            return str(last)
-        if existing:
-            return str(max(existing, key=lambda p: p.stat().st_mtime))
-        raise CheckpointError(f"ckpt_path=last: no checkpoint in {checkpoint_dir}; "
-                              "set hydra.run.dir to the run you want to resume")
-    if not Path(ckpt_path).is_file():
-        raise CheckpointError(f"ckpt_path={ckpt_path}: no such file; pass an existing .ckpt or ckpt_path=last")
-    return ckpt_path
-
-
 def instantiate_group(group: DictConfig | None, wandb_kwargs: dict | None = None) -> list:
     out = []
     for c in (group or {}).values():
@@ -68,48 +45,11 @@ def instantiate_group(group: DictConfig | None, wandb_kwargs: dict | None = None
     return out
 
 
-MODEL_SHAPE = ("vocab_size", "dim", "n_layer", "n_head", "n_kv_heads", "ffn_multiplier", "multiple_of", "tie_embeddings")
-
-
-def check_resume(cfg: DictConfig, ckpt_path: str, checkpoint: dict) -> None:
-    """Refuse, in one line, a checkpoint whose model shape differs from the configured one."""
-    saved = checkpoint["model_config"]  # read_checkpoint made sure it is there
-    want = instantiate(cfg.model.config).to_dict()  # with the dataclass defaults filled in
-    diff = [f"{k}={saved.get(k)} (config: {want.get(k)})" for k in MODEL_SHAPE if saved.get(k) != want.get(k)]
-    if diff:
-        raise CheckpointError(f"ckpt_path={ckpt_path} holds a {saved.get('name')} model of another shape: "
-                              f"{', '.join(diff)}; resume with model={saved.get('name')} or start a fresh run")
-
-
-def run_tags(cfg: DictConfig) -> list[str]:
-    """W&B tags: the model preset, the hardware config, the data mixture, then ``cfg.tags``."""
-    choices = HydraConfig.get().runtime.choices if HydraConfig.initialized() else {}
-    trainer = choices.get("trainer") or f"{cfg.trainer.accelerator}x{cfg.trainer.devices}"
-    sources = cfg.data.get("sources") or []
-    total = sum(float(s.get("weight", 1.0)) for s in sources) or 1.0
-    mix = "+".join(f"{s.name}{round(100 * float(s.get('weight', 1.0)) / total)}" for s in sources)
-    return [f"model:{cfg.model.config.name}", f"trainer:{trainer}", f"data:{mix}", *map(str, cfg.get("tags") or [])]
-
-
-def sweep_group() -> str | None:
-    """Runs of one Hydra multirun share a W&B group: the sweep directory's name."""
-    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
-        return Path(HydraConfig.get().sweep.dir).name
-    return None
-
-
 def train(cfg: DictConfig) -> dict[str, float]:
     """Fit the configured model; return the final ``trainer.callback_metrics`` as floats."""
     check_config(cfg)
-    checkpoint_dir = Path(cfg.paths.checkpoint_dir)
-    ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), checkpoint_dir, cfg.get("overwrite", False))
-    ckpt_io = AtomicCheckpointIO()
-    if ckpt_path is not None:  # validate before Lightning sees it
-        checkpoint = read_checkpoint(ckpt_path)
-        check_resume(cfg, ckpt_path, checkpoint)
-        if "FSDP" not in str(cfg.trainer.get("strategy")):  # FSDP loads files itself, not via CheckpointIO
-            ckpt_io.preload(ckpt_path, checkpoint)  # Lightning's load takes it: the file is read once
-        del checkpoint  # hold no reference to optimizer states during training
+    ckpt_path, ckpt_io = prepare_resume(cfg.get("ckpt_path"), Path(cfg.paths.checkpoint_dir), cfg.get("overwrite", False),
+                                        instantiate(cfg.model.config), cfg.trainer.get("strategy"))
     L.seed_everything(cfg.seed, workers=True)
     if torch.cuda.is_available():
         torch.set_float32_matmul_precision("high")
@@ -133,24 +73,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
         for lg in loggers:
             lg.save()
         write_summary(Path(cfg.paths.output_dir), metrics)
-        report(cfg, metrics, loggers)
+        print_report(cfg, metrics, loggers)
     return metrics
-
-
-def report(cfg: DictConfig, metrics: dict[str, float], loggers: list) -> None:
-    out = Path(cfg.paths.output_dir)
-    fmt = lambda k: f"{metrics[k]:.4f}" if k in metrics else "n/a"  # noqa: E731
-    lines = [
-        f"train/loss {fmt('train/loss')}  val/loss {fmt('val/loss')}",
-        f"run dir     {out}",
-        f"config      {out / '.hydra' / 'config.yaml'}",
-        f"tokenizer   {out / 'tokenizer.model'}",
-        f"checkpoints {cfg.paths.checkpoint_dir} (last.ckpt)",
-    ]
-    for lg in loggers:
-        where = getattr(lg, "log_dir", None) or getattr(lg, "save_dir", None)
-        lines.append(f"metrics     {type(lg).__name__}: {where}")
-    print("\n".join(lines), flush=True)
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")

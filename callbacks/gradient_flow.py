@@ -32,7 +32,7 @@ from bnlit.gradient_flow import (
     update_flow_report,
 )
 from bnlit.module import next_token_loss
-from bnlit.reporting import write_json_atomic
+from bnlit.run_report import write_json_atomic
 
 log = logging.getLogger("bnlit")
 

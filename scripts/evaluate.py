@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from bnlit.checkpoint import DATAMODULE_KEY, load_model
+from bnlit.checkpointing import datamodule_state, load_model
 from bnlit.errors import BnlitError, ConfigError
 from bnlit.evaluation import evaluate_documents, read_documents, twin_model
 
@@ -49,7 +49,7 @@ def evaluate(args: argparse.Namespace) -> dict:
     model, tok, ckpt = load_model(args.checkpoint)
     model.to(device)
     cfg = model.config
-    seq_len = args.seq_len or (ckpt.get(DATAMODULE_KEY) or {}).get("seq_len") or cfg.max_seq_len
+    seq_len = args.seq_len or datamodule_state(ckpt).get("seq_len") or cfg.max_seq_len
     if not 0 < seq_len <= cfg.max_seq_len:
         raise ConfigError(f"--seq-len {seq_len}: must be in 1..{cfg.max_seq_len} (model.config.max_seq_len)")
     twin = twin_model(model, args.twin_seed, device=device) if args.twin else None

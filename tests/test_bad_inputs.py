@@ -15,7 +15,7 @@ import torch
 
 import bnlit.data.shards as shards
 import bnlit.data.sources as sources
-from bnlit.ckpt_io import AtomicCheckpointIO
+from bnlit.checkpointing import AtomicCheckpointIO
 from bnlit.train import main
 from conftest import TINY
 
