@@ -34,7 +34,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
-from bnlit.errors import BnlitError
+from bnlit.errors import BnlitError, ConfigError
 from bnlit.flops import flops_per_token
 from bnlit.perf import Peak, StepTimer, resolve_peak, throughput_stats
 
@@ -94,14 +94,14 @@ class MFUMonitor(Callback):
         clock: Callable[[], float] = time.perf_counter,
     ):
         if on_low_mfu not in ("warn", "raise"):
-            raise ValueError(f"callbacks.mfu.on_low_mfu={on_low_mfu!r}: use 'warn' or 'raise'")
+            raise ConfigError(f"callbacks.mfu.on_low_mfu={on_low_mfu!r}: use 'warn' or 'raise'")
         for name, v in (("min_mfu_pct", min_mfu_pct), ("cpu_min_mfu_pct", cpu_min_mfu_pct)):
             if v is not None and not 0 < v <= 100:
-                raise ValueError(f"callbacks.mfu.{name}={v}: a percentage in (0, 100], or null to turn it off")
+                raise ConfigError(f"callbacks.mfu.{name}={v}: a percentage in (0, 100], or null to turn it off")
         if log_every_n_steps is not None and log_every_n_steps < 1:
-            raise ValueError(f"callbacks.mfu.log_every_n_steps={log_every_n_steps}: must be >= 1 or null")
+            raise ConfigError(f"callbacks.mfu.log_every_n_steps={log_every_n_steps}: must be >= 1 or null")
         if patience < 1 or warmup_steps < 0:
-            raise ValueError("callbacks.mfu: patience must be >= 1 and warmup_steps >= 0")
+            raise ConfigError("callbacks.mfu: patience must be >= 1 and warmup_steps >= 0")
         self.timer = StepTimer(window_steps, clock)
         self.log_every_n_steps = log_every_n_steps
         self.min_mfu_pct, self.cpu_min_mfu_pct = min_mfu_pct, cpu_min_mfu_pct
