@@ -234,7 +234,7 @@ BAD_VALUES = [
                                    "use auto unless you are pinning a CUDA kernel"),
     (["callbacks.gradient_flow.every_n_steps=0"], "callbacks.gradient_flow.every_n_steps=0: must be >= 1"),
     (["callbacks.gradient_flow.on_fail=ignore"], "callbacks.gradient_flow.on_fail='ignore': use 'raise' or 'warn'"),
-    (["callbacks.mfu.on_low_mfu=stop"], "callbacks.mfu.on_low_mfu='stop': use 'warn' or 'raise'"),
+    (["callbacks.throughput.on_low_mfu=stop"], "callbacks.throughput.on_low_mfu='stop': use 'warn' or 'raise'"),
     (["callbacks.random_twin.max_tokens=1"],
      "callbacks.random_twin.max_tokens=1: must be >= 2 or null (whole slice)"),
     (["callbacks.nan_guard.policy=ignore"], "callbacks.nan_guard.policy='ignore': use one of ['halt', 'skip']"),

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from bnlit import progress
 from bnlit.threads import choose_threads
-from callbacks.progress_bar import RunProgressBar, run_total_steps
+from bnlit.callbacks.progress_bar import RunProgressBar, run_total_steps
 
 
 class Tiny(L.LightningModule):
