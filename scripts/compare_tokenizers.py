@@ -35,11 +35,11 @@ VARIANTS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True)
-    p.add_argument("--vocab-size", type=int, default=8192)
-    p.add_argument("--num-threads", type=int, default=2)
-    p.add_argument("--eval", action="append", default=[], metavar="LANG=FILE")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--out", required=True, help="directory for the training lines and one tokenizer per variant")
+    p.add_argument("--vocab-size", type=int, default=8192, help="vocabulary of every variant")
+    p.add_argument("--num-threads", type=int, default=2, help="SentencePiece training and encoding threads")
+    p.add_argument("--eval", action="append", default=[], metavar="LANG=FILE", help="extra held-out text of one language to score every variant on, one sentence a line (repeatable)")
     p.add_argument("--only", action="append", default=None, help="variant names to run")
     args = p.parse_args(argv)
     out = Path(args.out)

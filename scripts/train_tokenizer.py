@@ -29,6 +29,10 @@ from bnlit.tokenizer import NORMALIZATION_RULES, Tokenizer, sample_by_language, 
 DETECT_CHARS = 200_000
 
 
+class RawDescriptionDefaultsFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Keeps the description's layout and shows each option's default."""
+
+
 def parse_weights(spec: str | None) -> dict[str, float] | None:
     """``"bn=0.8,en=0.2"`` -> ``{"bn": 0.8, "en": 0.2}``."""
     if not spec:
@@ -130,17 +134,17 @@ def build(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--input", nargs="+", required=True, metavar="[LANG=]FILE")
-    p.add_argument("--vocab-size", type=int, required=True)
-    p.add_argument("--out", required=True, metavar="DIR")
-    p.add_argument("--model-type", choices=("bpe", "unigram"), default="bpe")
-    p.add_argument("--lang-weights", default=None, metavar="bn=0.8,en=0.2")
-    p.add_argument("--character-coverage", type=float, default=0.9999)
-    p.add_argument("--normalization", choices=sorted(NORMALIZATION_RULES), default="nfc")
-    p.add_argument("--heldout-fraction", type=float, default=0.05)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--num-threads", type=int, default=None)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=RawDescriptionDefaultsFormatter)
+    p.add_argument("--input", nargs="+", required=True, metavar="[LANG=]FILE", help="training text, one sentence a line; LANG= names its language, else it is detected from the script")
+    p.add_argument("--vocab-size", type=int, required=True, help="pieces in the vocabulary (the model's model.config.vocab_size), e.g. 8192")
+    p.add_argument("--out", required=True, metavar="DIR", help="directory for tokenizer.model and tokenizer_card.json")
+    p.add_argument("--model-type", choices=("bpe", "unigram"), default="bpe", help="SentencePiece algorithm")
+    p.add_argument("--lang-weights", default=None, metavar="bn=0.8,en=0.2", help="resample the lines so each language has this share of the characters (default: as given)")
+    p.add_argument("--character-coverage", type=float, default=0.9999, help="share of characters the vocabulary must cover; rarer ones fall back to bytes")
+    p.add_argument("--normalization", choices=sorted(NORMALIZATION_RULES), default="nfc", help="nfc (bnlit's) or nfkc (also folds compatibility forms)")
+    p.add_argument("--heldout-fraction", type=float, default=0.05, help="content-hash share of lines held out for the card's fertility")
+    p.add_argument("--seed", type=int, default=0, help="seed of the --lang-weights resampling")
+    p.add_argument("--num-threads", type=int, default=None, help="SentencePiece training threads (default: all cores)")
     args = p.parse_args(argv)
     try:
         card = build(args)

@@ -459,11 +459,14 @@ def test_default_run_logs_the_verdict_and_writes_the_report(make_cfg, caplog):
     assert f"gradient flow: {n}/{n} parameters ok at step 1" in caplog.text
     assert f"update flow: {n}/{n} parameters updated at step 1" in caplog.text
     report = json.loads((Path(cfg.paths.checkpoint_dir) / "gradient_flow.json").read_text())
-    assert report["ok"] and report["step"] == 1 and report["gradients"]["num_ok"] == n
+    # the last step (4) is checked too, so the report and the final grad/* values are the final step's
+    assert report["ok"] and report["step"] == cfg.trainer.max_steps and report["gradients"]["num_ok"] == n
     import csv
 
     rows = list(csv.DictReader(open(Path(cfg.paths.output_dir) / "csv" / "metrics.csv")))
     assert any(r.get("grad/norm") for r in rows) and any(r.get("grad/model.norm.weight") for r in rows)
+    # logged at the steps completed before that gradient (as train/loss): the 4th step's is at 3
+    assert max(int(r["step"]) for r in rows if r.get("grad/norm")) == cfg.trainer.max_steps - 1
 
 
 class DetachedW3Transformer(Transformer):
