@@ -85,9 +85,8 @@ def test_a_two_point_sweep_runs_two_jobs_of_two_ranks(sweep):
     assert losses(sweep / "0") != losses(sweep / "1")  # two seeds, two runs
     submitit = sorted(p for p in (sweep / ".submitit").iterdir() if p.is_dir() and "_" in p.name)  # array tasks
     assert len(submitit) == 2, submitit  # one SLURM job (array task) per sweep point
-    for d in submitit:  # each job ran 2 tasks, and both reported to submitit
-        assert sorted(p.name.split("_")[-1] for p in d.glob("*_result.pkl")) == ["result.pkl"]
-        assert len(list(d.glob("*_log.err"))) == 2
+    for d in submitit:  # each job ran 2 tasks, and both returned to submitit
+        assert len(list(d.glob("*_result.pkl"))) == 2 and len(list(d.glob("*_log.err"))) == 2
 
 
 def test_scontrol_requeue_saves_requeues_and_continues_to_the_end(slurm_cluster, sweep, tmp_path):
