@@ -145,7 +145,7 @@ WORKER = textwrap.dedent('''
     sys.path.insert(0, sys.argv[2])
     from test_gradient_flow import RandomTokens, ZeroWeightGrad, tiny
     from bnlit.module import LMModule
-    from callbacks.gradient_flow import GradientFlowArbiter, GradientFlowError
+    from bnlit.callbacks.gradient_flow import GradientFlowArbiter, GradientFlowError
 
     class ZeroGradLinear(torch.nn.Linear):
         """A "fused kernel" whose weight gradient is always zero (planted in block 1's w3)."""
