@@ -374,15 +374,19 @@ class GradientSentinel:
         self.first_code: torch.Tensor | None = None
         self.inv_weight: torch.Tensor | None = None
         self.missing: dict[str, int] = {}
+        self._weight_norms: dict[str, float] = {}
 
     def set_weight_norms(self, weight_norms: Mapping[str, float], exempt: Iterable[str] = ()) -> None:
         """Weight norms from the last full check (they move slowly); ``exempt``: not judged."""
-        if self.first_step is None:
-            return
         skip = set(exempt)
-        inv = [1.0 / w if (w > 0 and n not in skip) else math.nan for n, w in
-               ((n, weight_norms.get(n, 0.0)) for n in self.names)]
-        self.inv_weight = torch.tensor(inv, dtype=torch.float32, device=self.first_step.device)
+        self._weight_norms = {n: w for n, w in weight_norms.items() if n not in skip}
+        self.inv_weight = None  # rebuilt on the device at the next observe
+
+    def _inverse_weight_norms(self, device: torch.device) -> torch.Tensor | None:
+        if self.inv_weight is None and self._weight_norms:
+            inv = [1.0 / w if w > 0 else math.nan for w in (self._weight_norms.get(n, 0.0) for n in self.names)]
+            self.inv_weight = torch.tensor(inv, dtype=torch.float32, device=device)
+        return self.inv_weight
 
     def reset(self) -> None:
         if self.first_step is not None:
@@ -419,8 +423,9 @@ class GradientSentinel:
         if not self.sharded:
             zero = present & (norms == 0)
             code = torch.where(zero, 2, code)
-            if self.inv_weight is not None:
-                ratio = torch.where(present & (norms > 0), norms * self.inv_weight, math.nan)
+            inv_weight = self._inverse_weight_norms(device)
+            if inv_weight is not None:
+                ratio = torch.where(present & (norms > 0), norms * inv_weight, math.nan)
                 peers = torch.isfinite(ratio)
                 median = torch.nanmedian(ratio)
                 vanishing = peers & (ratio < median / self.vanishing_factor) & (peers.sum() >= 3)
