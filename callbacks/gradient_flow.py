@@ -1,8 +1,8 @@
 """``GradientFlowArbiter``: turn a parameter that silently stops learning into a named error.
 
-A thin adapter over :mod:`bnlit.gradflow`. At fit start it checks optimizer membership. Every
+A thin adapter over :mod:`bnlit.gradient_flow`. At fit start it checks optimizer membership. Every
 optimizer step (in ``on_before_optimizer_step``: after the last micro-batch of an accumulated
-step, after AMP unscaling, before clipping) the :class:`~bnlit.gradflow.GradientSentinel` takes
+step, after AMP unscaling, before clipping) the :class:`~bnlit.gradient_flow.GradientSentinel` takes
 one fused norm pass over the gradients; it is read every step on CPU and on logging steps on CUDA
 (the only host sync). At the first step, every ``every_n_steps`` and at once when the sentinel
 trips, the full check runs: gradients (missing, non-finite, zero, vanishing, dead rows),
@@ -27,7 +27,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
 from bnlit.errors import BnlitError
-from bnlit.gradflow import (
+from bnlit.gradient_flow import (
     CATEGORIES,
     DEAD_ROW_SHARE,
     VANISHING_FACTOR,

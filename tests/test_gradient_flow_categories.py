@@ -34,7 +34,7 @@ from test_gradient_flow import (
 
 from bnlit import CONF_DIR
 from bnlit.flops import parity_probe_memory_bytes
-from bnlit.gradflow import (
+from bnlit.gradient_flow import (
     GradientSentinel,
     eager_fp32,
     embedding_row_exempt,
@@ -47,7 +47,7 @@ from bnlit.gradflow import (
 )
 from bnlit.model import ModelConfig, Transformer
 from bnlit.module import LMModule, next_token_loss, param_groups
-from callbacks.gradient_flow import GradientFlowArbiter, GradientFlowError
+from bnlit.callbacks.gradient_flow import GradientFlowArbiter, GradientFlowError
 
 
 class ScaledGradLinear(nn.Linear):

@@ -1,6 +1,6 @@
 """Gradient-flow checks: no trainable parameter may silently stop learning.
 
-Pure checks, each tested without a Trainer (``callbacks/gradient_flow.py`` decides when to run
+Pure checks, each tested without a Trainer (``bnlit.callbacks.gradient_flow`` decides when to run
 them and what to do with a failure):
 
 * :func:`gradient_flow_report` -- after backward, every trainable parameter has a gradient that is
