@@ -79,7 +79,7 @@ class LMModule(L.LightningModule):
     def loss_for_batch(self, batch) -> torch.Tensor:
         """The training loss of one batch, nothing logged: ``training_step`` and the
         gradient-flow arbiter's fast-path parity probe both call it, so the probe checks the loss
-        that trains (the probe hook documented in the README, "Gradient-flow arbiter")."""
+        that trains (the probe hook documented in the README, "Gradient flow (the arbiter)")."""
         x, y = batch
         return next_token_loss(self.model(x), y)
 

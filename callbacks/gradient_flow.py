@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import logging
 import math
+import time
 from pathlib import Path
 from typing import Any, Literal
 
@@ -149,6 +150,7 @@ class GradientFlowArbiter(Callback):
         self.vanishing_factor, self.dead_row_share, self.allow = vanishing_factor, dead_row_share, allow
         self.checks = 0  # full checks run in this fit
         self.sentinel_trips = 0  # full checks the sentinel asked for
+        self.sentinel_seconds, self.sentinel_steps = 0.0, 0  # its own cost, for scripts/bench.py
         self.last_report: dict[str, Any] | None = None
         self._batches: collections.deque = collections.deque(maxlen=64)  # this step's micro-batches
         self._sentinel = GradientSentinel(vanishing_factor)
@@ -203,13 +205,14 @@ class GradientFlowArbiter(Callback):
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.checks, self.sentinel_trips, self._parity_done, self._seen_step, self._deferred = 0, 0, False, -1, 0
+        self.sentinel_seconds, self.sentinel_steps = 0.0, 0
         self._sentinel = GradientSentinel(self.vanishing_factor, sharded=_is_sharded(trainer))
         self._batches.clear()
         ids = {id(p) for opt in trainer.optimizers for g in opt.param_groups for p in g["params"]}
         self._grouped = [(n, p) for n, p in pl_module.named_parameters() if id(p) in ids]
         if self.fast_path_parity and not callable(getattr(pl_module, PROBE_HOOK, None)) and trainer.is_global_zero:
-            log.info("fast-path parity: skipped, %s has no %s(batch) -> loss hook (README, \"Gradient-flow arbiter\")",
-                     type(pl_module).__name__, PROBE_HOOK)
+            log.info("fast-path parity: skipped, %s has no %s(batch) -> loss hook "
+                     "(see the README, \"Gradient flow (the arbiter)\")", type(pl_module).__name__, PROBE_HOOK)
         report = param_group_report(pl_module.named_parameters(), trainer.optimizers, self.allow)
         reduce = self._reduce(trainer)
         if reduce is not None:
@@ -239,6 +242,7 @@ class GradientFlowArbiter(Callback):
     def _on_step(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
         reduce, world = self._reduce(trainer), trainer.world_size
         logging_step = step % max(1, trainer.log_every_n_steps) == 0
+        t0 = time.perf_counter()
         norm = self._sentinel.observe(pl_module.named_parameters(), step) if self.sentinel else None
         if logging_step:
             norm = norm if self.sentinel else total_grad_norm(pl_module.named_parameters())
@@ -251,6 +255,8 @@ class GradientFlowArbiter(Callback):
                 tripped = True  # known on the host: no sync needed
             elif pl_module.device.type == "cpu" or logging_step:
                 tripped = self._sentinel.tripped(reduce, extra=frozen)
+            self.sentinel_seconds += time.perf_counter() - t0  # host time (CUDA: launches, not kernels)
+            self.sentinel_steps += 1
         due = self.checks == 0 or self._deferred > 0 or step % self.every_n_steps == 0
         if tripped and not due:
             self.sentinel_trips += 1

@@ -218,17 +218,17 @@ class PresetTokens(L.LightningDataModule):
         return DataLoader(self.ds, batch_size=self.batch_size, shuffle=True)
 
 
-def healthy_fit(name: str, tie: bool, steps: int, t: int, batch_size: int, tmp_path, **trainer_kw):
+def healthy_fit(name: str, tie: bool, steps: int, t: int, batch_size: int, tmp_path, spread: bool = False):
     model = preset(name, tie)
     lr = float(OmegaConf.load(CONF_DIR / "model" / f"{name}.yaml").optimizer.lr)
     module = LMModule(model, optimizer=partial(torch.optim.AdamW, lr=lr, weight_decay=0.1, betas=(0.9, 0.95)))
     arbiter = GradientFlowArbiter(every_n_steps=25)
-    spread = SpreadProbe()
+    probe = SpreadProbe() if spread else None
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
-                        gradient_clip_val=1.0, callbacks=[spread, arbiter], **trainer_kw)
+                        gradient_clip_val=1.0, callbacks=[*([probe] if probe else []), arbiter])
     trainer.fit(module, datamodule=PresetTokens(model.config.vocab_size, t, batch_size))
-    return trainer, arbiter, spread
+    return trainer, arbiter, probe
 
 
 class SpreadProbe(L.Callback):
@@ -251,19 +251,20 @@ def _assert_healthy(trainer, arbiter, steps, tmp_path):
 
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
 def test_healthy_tiny_preset_50_steps_has_no_finding(tie, tmp_path):
-    trainer, arbiter, spread = healthy_fit("tiny", tie, 50, t=32, batch_size=4, tmp_path=tmp_path)
+    trainer, arbiter, _ = healthy_fit("tiny", tie, 50, t=16, batch_size=2, tmp_path=tmp_path)
     _assert_healthy(trainer, arbiter, 50, tmp_path)
-    assert spread.worst < 1e3  # the 1e6 threshold keeps three orders of magnitude of margin
-    print(f"tiny tie={tie}: worst median/min gradient-to-weight ratio {spread.worst:.3g}")
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("name", ["tiny", "25m"])
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
-def test_healthy_25m_preset_50_steps_has_no_finding(tie, tmp_path):
-    trainer, arbiter, spread = healthy_fit("25m", tie, 50, t=32, batch_size=2, tmp_path=tmp_path)
+def test_healthy_preset_50_steps_spread_of_gradient_to_weight_ratios(name, tie, tmp_path):
+    """The justification of ``vanishing_factor=1e6``: the largest median/min spread of the
+    gradient-to-weight norm ratio over every step of healthy runs stays below 1e3."""
+    trainer, arbiter, spread = healthy_fit(name, tie, 50, t=32, batch_size=2, tmp_path=tmp_path, spread=True)
     _assert_healthy(trainer, arbiter, 50, tmp_path)
-    assert spread.worst < 1e3
-    print(f"25m tie={tie}: worst median/min gradient-to-weight ratio {spread.worst:.3g}")
+    assert spread.worst < 1e3  # the 1e6 threshold keeps three orders of magnitude of margin
+    print(f"{name} tie={tie}: worst median/min gradient-to-weight ratio over 50 steps {spread.worst:.3g}")
 
 
 # -- third-party-style modules: dict batches, single-tensor batches, no hook ---------------------------
@@ -379,7 +380,7 @@ def test_module_without_the_hook_skips_the_probe_with_one_line(tmp_path, caplog)
     assert trainer.global_step == 6 and arbiter.last_report["ok"]
     lines = [r.message for r in caplog.records if "fast-path parity" in r.message]
     assert lines == ["fast-path parity: skipped, NoHookModule has no loss_for_batch(batch) -> loss hook "
-                     "(README, \"Gradient-flow arbiter\")"]
+                     "(see the README, \"Gradient flow (the arbiter)\")"]
 
 
 def test_a_probe_that_raises_never_hides_the_verdict(tmp_path, caplog):
