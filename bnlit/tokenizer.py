@@ -14,6 +14,7 @@ import hashlib
 import io
 import logging
 import os
+import re
 import string
 import unicodedata
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bnlit import progress
 from bnlit.errors import TokenizerError
 
 log = logging.getLogger(__name__)
@@ -28,6 +30,9 @@ log = logging.getLogger(__name__)
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 BANGLA_REQUIRED = "\u09bc\u0964\u0965\u09f3" + "০১২৩৪৫৬৭৮৯"
 REQUIRED_CHARS = BANGLA_REQUIRED + string.digits + string.punctuation + "‘’“”–—…"
+# 4 special tokens, 256 byte-fallback pieces and the required characters: a smaller vocabulary
+# cannot be trained whatever the text
+MIN_VOCAB_SIZE = 4 + 256 + len(set(REQUIRED_CHARS))
 NORMALIZATION_RULES = {"nfc": "identity", "nfkc": "nfkc"}  # bnlit name -> SentencePiece rule
 MAX_LINE_BYTES = 4000  # SentencePiece drops training sentences longer than max_sentence_length (4192 bytes)
 
@@ -114,31 +119,54 @@ def train_tokenizer(
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     model = io.BytesIO()
+    bar = progress.bar("tokenizer: reading", unit="line")
+    lines = (bar.update() or line for line in training_lines(texts))
+
+    def on_log(line: str) -> bool:
+        """SentencePiece's INFO lines drive the bar and are not shown; warnings and errors are."""
+        if alphabet := re.search(r"Alphabet size=(\d+)", line):  # reading is done: merges follow
+            merges = vocab_size - 4 - 256 - int(alphabet.group(1))  # special and byte-fallback pieces
+            progress.set_total(bar, max(1, merges) if model_type == "bpe" else None,
+                               desc=f"tokenizer: {model_type} merges", unit="merge")
+        elif merged := re.search(r"merges=(\d+)", line):
+            bar.update(int(merged.group(1)) - bar.n)
+        return not re.match(r"([WEF]\d{4} |.*LOG\((WARNING|ERROR|FATAL)\))", line)
+
     try:
-        spm.SentencePieceTrainer.train(
-            sentence_iterator=training_lines(texts),
-            model_writer=model,
-            vocab_size=vocab_size,
-            model_type=model_type,
-            character_coverage=character_coverage,
-            normalization_rule_name=NORMALIZATION_RULES[normalization],
-            byte_fallback=True,
-            split_digits=True,
-            allow_whitespace_only_pieces=True,
-            required_chars="".join(sorted(set(REQUIRED_CHARS))),
-            pad_id=PAD_ID,
-            unk_id=UNK_ID,
-            bos_id=BOS_ID,
-            eos_id=EOS_ID,
-            input_sentence_size=max_sentences,
-            shuffle_input_sentence=True,
-            seed_sentencepiece_size=1_000_000,
-            num_threads=num_threads or os.cpu_count() or 1,
-            minloglevel=2,
-        )
+        with progress.native_log_lines(on_log):
+            spm.SentencePieceTrainer.train(
+                sentence_iterator=lines,
+                model_writer=model,
+                vocab_size=vocab_size,
+                model_type=model_type,
+                character_coverage=character_coverage,
+                normalization_rule_name=NORMALIZATION_RULES[normalization],
+                byte_fallback=True,
+                split_digits=True,
+                allow_whitespace_only_pieces=True,
+                required_chars="".join(sorted(set(REQUIRED_CHARS))),
+                pad_id=PAD_ID,
+                unk_id=UNK_ID,
+                bos_id=BOS_ID,
+                eos_id=EOS_ID,
+                input_sentence_size=max_sentences,
+                shuffle_input_sentence=True,
+                seed_sentencepiece_size=1_000_000,
+                num_threads=num_threads or os.cpu_count() or 1,
+                minloglevel=0 if not bar.disable else 2,
+            )
+        bar.update(bar.total - bar.n if bar.total else 0)  # merges are reported every 100
+        bar.refresh()
     except RuntimeError as e:
-        raise TokenizerError(f"tokenizer training failed ({str(e).splitlines()[0]}); "
-                             f"lower tokenizer.vocab_size={vocab_size} or give more text") from None
+        reason = str(e).splitlines()[0]
+        if "too high" in reason:  # more pieces asked for than the text can supply
+            fix = f"lower model.config.vocab_size={vocab_size} or give more text"
+        else:  # "smaller than required_chars. 10 vs 339": the text's characters alone need 339 pieces
+            need = re.search(r"(\d+) vs (\d+)", reason)
+            fix = f"raise model.config.vocab_size={vocab_size} to at least {need.group(2) if need else MIN_VOCAB_SIZE} (e.g. 8192)"
+        raise TokenizerError(f"tokenizer training failed ({reason}); {fix}") from None
+    finally:
+        bar.close()
     tmp = out_path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_bytes(model.getvalue())
     os.replace(tmp, out_path)

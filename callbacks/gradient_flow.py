@@ -27,7 +27,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
-from bnlit.errors import BnlitError
+from bnlit.errors import BnlitError, ConfigError
 from bnlit.gradient_flow import (
     CATEGORIES,
     DEAD_ROW_SHARE,
@@ -120,22 +120,22 @@ class GradientFlowArbiter(Callback):
     ):
         where = "callbacks.gradient_flow"
         if every_n_steps < 1:
-            raise ValueError(f"{where}.every_n_steps={every_n_steps}: must be >= 1")
+            raise ConfigError(f"{where}.every_n_steps={every_n_steps}: must be >= 1")
         if on_fail not in ("raise", "warn"):
-            raise ValueError(f"{where}.on_fail={on_fail!r}: use 'raise' or 'warn'")
+            raise ConfigError(f"{where}.on_fail={on_fail!r}: use 'raise' or 'warn'")
         if parity_every_n_steps is not None and parity_every_n_steps < 1:
-            raise ValueError(f"{where}.parity_every_n_steps={parity_every_n_steps}: must be >= 1 or null")
+            raise ConfigError(f"{where}.parity_every_n_steps={parity_every_n_steps}: must be >= 1 or null")
         if not vanishing_factor > 1:
-            raise ValueError(f"{where}.vanishing_factor={vanishing_factor}: must be > 1 (the default is {VANISHING_FACTOR:g})")
+            raise ConfigError(f"{where}.vanishing_factor={vanishing_factor}: must be > 1 (the default is {VANISHING_FACTOR:g})")
         if not 0 < dead_row_share <= 1:
-            raise ValueError(f"{where}.dead_row_share={dead_row_share}: must be in (0, 1] (the default is {DEAD_ROW_SHARE})")
+            raise ConfigError(f"{where}.dead_row_share={dead_row_share}: must be in (0, 1] (the default is {DEAD_ROW_SHARE})")
         for key, value in (("probe_samples", probe_samples), ("probe_seq_len", probe_seq_len)):
             if value is not None and value < 1:
-                raise ValueError(f"{where}.{key}={value}: must be >= 1 or null (all)")
+                raise ConfigError(f"{where}.{key}={value}: must be >= 1 or null (all)")
         allow = {k: list(v or []) for k, v in dict(allow or {}).items()}
         unknown = sorted(set(allow) - set(ALLOW_CATEGORIES))
         if unknown:
-            raise ValueError(f"{where}.allow has unknown categor{'y' if len(unknown) == 1 else 'ies'} {unknown}: "
+            raise ConfigError(f"{where}.allow has unknown categor{'y' if len(unknown) == 1 else 'ies'} {unknown}: "
                              f"use {list(ALLOW_CATEGORIES)}")
         self.every_n_steps = every_n_steps
         self.on_fail = on_fail
