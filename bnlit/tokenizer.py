@@ -22,12 +22,14 @@ import hashlib
 import io
 import logging
 import os
+import re
 import string
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 
+from bnlit import progress
 from bnlit.data.normalize import HASANTA, NUKTA, ZWJ, ZWNJ, normalize_chars
 from bnlit.errors import TokenizerError
 
@@ -57,6 +59,9 @@ REQUIRED_CHARS = BANGLA_REQUIRED + string.digits + string.punctuation + "‘’�
 # inside a grapheme cluster (README "Tokenizer fertility")
 COMBINING_MARKS = _chars((0x0981, 0x0983), (0x09BE, 0x09C4), (0x09C7, 0x09C8), (0x09CB, 0x09CC), (0x09D7, 0x09D7),
                          (0x09E2, 0x09E3)) + NUKTA + HASANTA
+# 4 special tokens, 256 byte-fallback pieces and the required characters: a smaller vocabulary
+# cannot be trained whatever the text
+MIN_VOCAB_SIZE = 4 + 256 + len(set(REQUIRED_CHARS))
 NORMALIZATION_RULES = {"nfc": "identity", "nfkc": "nfkc"}  # bnlit name -> SentencePiece rule
 MAX_LINE_BYTES = 4000  # SentencePiece drops training sentences longer than max_sentence_length (4192 bytes)
 # bump when what train_tokenizer does with the same arguments changes (cached tokenizers retrain)
@@ -142,40 +147,60 @@ def train_tokenizer(
         raise TokenizerError(f"tokenizer.model_type={model_type!r}: use 'bpe' or 'unigram'")
     if normalization not in NORMALIZATION_RULES:
         raise TokenizerError(f"tokenizer.normalization={normalization!r}: use one of {sorted(NORMALIZATION_RULES)}")
-    required = set(REQUIRED_CHARS) - (set(BANGLA_DIGITS) if split_digits else set())
-    smallest = 4 + 256 + len(REQUIRED_CHARS) + 64  # special ids, byte fallback, required pieces, some room
-    if vocab_size < smallest:
-        raise TokenizerError(f"tokenizer.vocab_size={vocab_size}: below {smallest} there is no room beside the "
-                             f"{len(REQUIRED_CHARS)} required characters and 256 byte pieces; raise it")
+    user_defined = list(BANGLA_DIGITS) if split_digits else []  # never merged, like split_digits' ASCII
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     model = io.BytesIO()
+    bar = progress.bar("tokenizer: reading", unit="line")
+    lines = (bar.update() or line for line in training_lines(texts))
+
+    def on_log(line: str) -> bool:
+        """SentencePiece's INFO lines drive the bar and are not shown; warnings and errors are."""
+        if alphabet := re.search(r"Alphabet size=(\d+)", line):  # reading is done: merges follow
+            # special, byte-fallback and user-defined pieces
+            merges = vocab_size - 4 - 256 - len(user_defined) - int(alphabet.group(1))
+            progress.set_total(bar, max(1, merges) if model_type == "bpe" else None,
+                               desc=f"tokenizer: {model_type} merges", unit="merge")
+        elif merged := re.search(r"merges=(\d+)", line):
+            bar.update(int(merged.group(1)) - bar.n)
+        return not re.match(r"([WEF]\d{4} |.*LOG\((WARNING|ERROR|FATAL)\))", line)
+
     try:
-        spm.SentencePieceTrainer.train(
-            sentence_iterator=training_lines(texts),
-            model_writer=model,
-            vocab_size=vocab_size,
-            model_type=model_type,
-            character_coverage=character_coverage,
-            normalization_rule_name=NORMALIZATION_RULES[normalization],
-            byte_fallback=True,
-            split_digits=split_digits,
-            user_defined_symbols=list(BANGLA_DIGITS) if split_digits else [],
-            allow_whitespace_only_pieces=True,
-            required_chars="".join(sorted(required)),
-            pad_id=PAD_ID,
-            unk_id=UNK_ID,
-            bos_id=BOS_ID,
-            eos_id=EOS_ID,
-            input_sentence_size=max_sentences,
-            shuffle_input_sentence=True,
-            seed_sentencepiece_size=1_000_000,
-            num_threads=num_threads or os.cpu_count() or 1,
-            minloglevel=2,
-        )
+        with progress.native_log_lines(on_log):
+            spm.SentencePieceTrainer.train(
+                sentence_iterator=lines,
+                model_writer=model,
+                vocab_size=vocab_size,
+                model_type=model_type,
+                character_coverage=character_coverage,
+                normalization_rule_name=NORMALIZATION_RULES[normalization],
+                byte_fallback=True,
+                split_digits=split_digits,
+                user_defined_symbols=user_defined,
+                allow_whitespace_only_pieces=True,
+                required_chars="".join(sorted(set(REQUIRED_CHARS) - set(user_defined))),
+                pad_id=PAD_ID,
+                unk_id=UNK_ID,
+                bos_id=BOS_ID,
+                eos_id=EOS_ID,
+                input_sentence_size=max_sentences,
+                shuffle_input_sentence=True,
+                seed_sentencepiece_size=1_000_000,
+                num_threads=num_threads or os.cpu_count() or 1,
+                minloglevel=0 if not bar.disable else 2,
+            )
+        bar.update(bar.total - bar.n if bar.total else 0)  # merges are reported every 100
+        bar.refresh()
     except RuntimeError as e:
-        raise TokenizerError(f"tokenizer training failed ({str(e).splitlines()[0]}); "
-                             f"lower tokenizer.vocab_size={vocab_size} or give more text") from None
+        reason = str(e).splitlines()[0]
+        if "too high" in reason:  # more pieces asked for than the text can supply
+            fix = f"lower model.config.vocab_size={vocab_size} or give more text"
+        else:  # "smaller than required_chars. 10 vs 339": the text's characters alone need 339 pieces
+            need = re.search(r"(\d+) vs (\d+)", reason)
+            fix = f"raise model.config.vocab_size={vocab_size} to at least {need.group(2) if need else MIN_VOCAB_SIZE} (e.g. 8192)"
+        raise TokenizerError(f"tokenizer training failed ({reason}); {fix}") from None
+    finally:
+        bar.close()
     tmp = out_path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_bytes(model.getvalue())
     os.replace(tmp, out_path)

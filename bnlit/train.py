@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import logging
 import sys
+import time
 from pathlib import Path
 
 import hydra
@@ -24,16 +25,10 @@ from bnlit.checkpoint import read_checkpoint
 from bnlit.ckpt_io import AtomicCheckpointIO
 from bnlit.errors import BnlitError, CheckpointError, ConfigError
 from bnlit.summary import redact, write_summary
+from bnlit.threads import load_average, set_threads
+from bnlit.validate import instantiate_checked, validate_config
 
 log = logging.getLogger("bnlit")
-
-
-def check_config(cfg: DictConfig) -> None:
-    """Cross-field checks that no single constructor can make."""
-    max_len = cfg.model.config.max_seq_len
-    if cfg.data.seq_len > max_len:
-        raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds model.config.max_seq_len={max_len} "
-                          f"of preset {cfg.model.config.name}; lower data.seq_len or raise max_seq_len")
 
 
 def resolve_ckpt_path(ckpt_path: str | None, checkpoint_dir: Path, overwrite: bool) -> str | None:
@@ -64,7 +59,7 @@ def instantiate_group(group: DictConfig | None, wandb_kwargs: dict | None = None
         if c is None:
             continue
         extra = (wandb_kwargs or {}) if str(c.get("_target_", "")).endswith("WandbLogger") else {}
-        out.append(instantiate(c, **extra))
+        out.append(instantiate_checked(c, **extra))
     return out
 
 
@@ -100,7 +95,11 @@ def sweep_group() -> str | None:
 
 def train(cfg: DictConfig) -> dict[str, float]:
     """Fit the configured model; return the final ``trainer.callback_metrics`` as floats."""
-    check_config(cfg)
+    start = time.perf_counter()
+    validate_config(cfg)  # seconds, before anything is built or written
+    threads = set_threads(cfg.get("threads", "auto"))
+    load_at_start = load_average()
+    callbacks = instantiate_group(cfg.get("callbacks"))  # their own argument checks, also before the data build
     checkpoint_dir = Path(cfg.paths.checkpoint_dir)
     ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), checkpoint_dir, cfg.get("overwrite", False))
     ckpt_io = AtomicCheckpointIO()
@@ -118,7 +117,6 @@ def train(cfg: DictConfig) -> dict[str, float]:
     model = instantiate(cfg.model)
     scheduler = instantiate(cfg.scheduler) if cfg.get("scheduler") else None
     module = instantiate(cfg.module)(model=model, optimizer=instantiate(cfg.optimizer), scheduler=scheduler)
-    callbacks = instantiate_group(cfg.get("callbacks"))
     loggers = instantiate_group(cfg.get("logger"), {"tags": run_tags(cfg), "group": sweep_group()})
     trainer: L.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False,
                                      plugins=[ckpt_io])
@@ -129,15 +127,31 @@ def train(cfg: DictConfig) -> dict[str, float]:
         trainer.validate(module, datamodule=datamodule, verbose=False)
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
+    if needs_final_validation(trainer):  # every run ends with the final model's val/loss (sweeps read it)
+        trainer.validate(module, datamodule=datamodule, verbose=False)
+        metrics.update({k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1})
     if trainer.is_global_zero:
         for lg in loggers:
             lg.save()
         write_summary(Path(cfg.paths.output_dir), metrics)
-        report(cfg, metrics, loggers)
+        timing = {"wall_s": time.perf_counter() - start, "threads": threads, "load_start": load_at_start,
+                  "load_end": load_average()}
+        report(cfg, metrics, loggers, timing)
     return metrics
 
 
-def report(cfg: DictConfig, metrics: dict[str, float], loggers: list) -> None:
+def needs_final_validation(trainer: L.Trainer) -> bool:
+    """True when the fit ended on a step that was not validated (``max_steps`` is not a multiple
+    of ``val_check_interval``, or below it) and no validation was switched off."""
+    interval = trainer.val_check_interval
+    if trainer.interrupted or not trainer.limit_val_batches:
+        return False
+    if not isinstance(interval, int):  # a fraction of an epoch: Lightning validated at the epoch end
+        return False
+    return trainer.global_step > 0 and trainer.global_step % interval != 0
+
+
+def report(cfg: DictConfig, metrics: dict[str, float], loggers: list, timing: dict | None = None) -> None:
     out = Path(cfg.paths.output_dir)
     fmt = lambda k: f"{metrics[k]:.4f}" if k in metrics else "n/a"  # noqa: E731
     lines = [
@@ -150,7 +164,20 @@ def report(cfg: DictConfig, metrics: dict[str, float], loggers: list) -> None:
     for lg in loggers:
         where = getattr(lg, "log_dir", None) or getattr(lg, "save_dir", None)
         lines.append(f"metrics     {type(lg).__name__}: {where}")
+    if timing:
+        load = lambda x: "n/a" if x is None else f"{x:.1f}"  # noqa: E731
+        lines.append(f"wall time   {format_duration(timing['wall_s'])} ({timing['threads']} threads; load average "
+                     f"{load(timing['load_start'])} at start, {load(timing['load_end'])} at end)")
     print("\n".join(lines), flush=True)
+
+
+def format_duration(seconds: float) -> str:
+    """3725.4 -> '1h 02m 05s'; 95 -> '1m 35s'; 4.2 -> '4.2 s'."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    m, s = divmod(round(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h {m:02d}m {s:02d}s" if h else f"{m}m {s:02d}s"
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")

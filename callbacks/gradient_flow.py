@@ -1,6 +1,6 @@
 """``GradientFlowArbiter``: turn a parameter that silently stops learning into a named error.
 
-A thin adapter over :mod:`bnlit.gradflow`. At fit start it checks param-group membership; at the
+A thin adapter over :mod:`bnlit.gradient_flow`. At fit start it checks param-group membership; at the
 first optimizer step and then every ``every_n_steps`` it checks the gradients (in
 ``on_before_optimizer_step``: after the last micro-batch of an accumulated step, after AMP
 unscaling, before clipping), compares the fast path with an eager fp32 copy on the step's batch,
@@ -22,8 +22,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 
-from bnlit.errors import BnlitError
-from bnlit.gradflow import (
+from bnlit.errors import BnlitError, ConfigError
+from bnlit.gradient_flow import (
     fast_path_parity,
     gradient_flow_report,
     param_group_report,
@@ -96,11 +96,11 @@ class GradientFlowArbiter(Callback):
         probe_loss=None,
     ):
         if every_n_steps < 1:
-            raise ValueError(f"callbacks.gradient_flow.every_n_steps={every_n_steps}: must be >= 1")
+            raise ConfigError(f"callbacks.gradient_flow.every_n_steps={every_n_steps}: must be >= 1")
         if on_fail not in ("raise", "warn"):
-            raise ValueError(f"callbacks.gradient_flow.on_fail={on_fail!r}: use 'raise' or 'warn'")
+            raise ConfigError(f"callbacks.gradient_flow.on_fail={on_fail!r}: use 'raise' or 'warn'")
         if parity_every_n_steps is not None and parity_every_n_steps < 1:
-            raise ValueError(f"callbacks.gradient_flow.parity_every_n_steps={parity_every_n_steps}: must be >= 1 or null")
+            raise ConfigError(f"callbacks.gradient_flow.parity_every_n_steps={parity_every_n_steps}: must be >= 1 or null")
         self.every_n_steps = every_n_steps
         self.on_fail = on_fail
         self.check_updates = check_updates

@@ -122,12 +122,6 @@ def test_missing_or_foreign_tokenizer_file(tmp_path):
         Tokenizer(junk)
 
 
-def test_too_small_a_vocabulary_is_refused_before_training(tmp_path):
-    with pytest.raises(TokenizerError, match=r"tokenizer.vocab_size=300: below \d+ .* raise it"):
-        train_tokenizer(iter(()), tmp_path / "t.model", vocab_size=300)
-    assert not (tmp_path / "t.model").exists()
-
-
 def test_word_lines_follow_the_frequency_list():
     lines = embedded.word_lines("bn", 200_000, seed=0)
     assert lines == embedded.word_lines("bn", 200_000, seed=0)
