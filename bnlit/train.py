@@ -106,7 +106,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     if ckpt_path is not None:  # validate before Lightning sees it
         checkpoint = read_checkpoint(ckpt_path)
         check_resume(cfg, ckpt_path, checkpoint)
-        if "FSDP" not in str(cfg.trainer.get("strategy")):  # FSDP loads files itself, not via CheckpointIO
+        if not any(s in str(cfg.trainer.get("strategy")) for s in ("FSDP", "ModelParallel")):  # these load files themselves
             ckpt_io.preload(ckpt_path, checkpoint)  # Lightning's load takes it: the file is read once
         del checkpoint  # hold no reference to optimizer states during training
     L.seed_everything(cfg.seed, workers=True)
@@ -133,7 +133,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     if trainer.is_global_zero:
         for lg in loggers:
             lg.save()
-        write_summary(Path(cfg.paths.output_dir), metrics)
+        write_summary(Path(cfg.paths.output_dir), metrics, fast_path=getattr(module, "fast_path", None))
         timing = {"wall_s": time.perf_counter() - start, "threads": threads, "load_start": load_at_start,
                   "load_end": load_average()}
         report(cfg, metrics, loggers, timing)
