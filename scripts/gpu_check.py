@@ -64,11 +64,12 @@ def read_run(run_dir: Path) -> dict:
     log = (run_dir / "train.log").read_text() if (run_dir / "train.log").is_file() else ""
     lines = log.splitlines()
     pick = lambda word: next((l.split(" - ", 1)[-1] for l in lines if word in l), None)  # noqa: E731
-    mfu = last(series, "perf/mfu")
+    memory_key = "memory/peak_gib" if "memory/peak_gib" in series else "memory/peak_rss_gib"  # CUDA / CPU
     return {
         "tokens_per_s": last(series, "perf/tokens_per_s"),
-        "mfu_pct": None if mfu is None else 100 * mfu if mfu <= 1 else mfu,
-        "peak_memory_gib": last(series, "memory/peak_gib"),
+        "mfu_pct": last(series, "perf/mfu"),  # the throughput callback logs percent
+        "peak_memory_gib": last(series, memory_key),
+        "peak_memory_key": memory_key,
         "train_loss": last(series, "train/loss"),
         "val_loss": last(series, "val/loss"),
         "parity": pick("fast-path parity"),
