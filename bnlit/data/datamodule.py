@@ -19,6 +19,7 @@ import numpy as np
 from torch.utils.data import ConcatDataset, DataLoader
 
 from bnlit import progress as progress_bars
+from bnlit.checkpointing import worker_ignores_interrupts
 from bnlit.data import embedded
 from bnlit.data.dataset import MixtureSampler, PackedWindows, mixture_counts
 from bnlit.data.pipeline import CleanConfig, clean_sources, load_stats, read_clean
@@ -326,6 +327,7 @@ class BnDataModule(L.LightningDataModule):
             num_workers=self.num_workers,
             pin_memory=self.pin_memory,
             persistent_workers=self.num_workers > 0,
+            worker_init_fn=worker_ignores_interrupts if self.num_workers > 0 else None,  # Ctrl-C: see bnlit.checkpointing
             # batches each worker keeps ready (torch's default, 2, when None); workers only
             prefetch_factor=self.prefetch_factor if self.num_workers > 0 else None,
         )
