@@ -153,7 +153,7 @@ def train_tokenizer(
     model = io.BytesIO()
     bar = progress.bar("tokenizer: reading", unit="line")
 
-    def lines():  # the lines SentencePiece reads, counted on the bar
+    def lines() -> Iterator[str]:  # tqdm's update() returns True when it redraws: never yield that
         for line in training_lines(texts):
             bar.update()
             yield line
