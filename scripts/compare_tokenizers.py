@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import train_tokenizer  # noqa: E402  (the sibling CLI)
 
-from bnlit import fertility  # noqa: E402
+from bnlit import fertility, progress  # noqa: E402
 from bnlit.data import embedded  # noqa: E402
 from bnlit.tokenizer import Tokenizer  # noqa: E402
 
@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heldout-fraction", type=float, default=0.05,
                    help="content-hash share of the corpus held out for scoring (default: %(default)s)")
     args = p.parse_args(argv)
+    progress.ENABLED = False  # the bars would interleave with the table on stdout
     unknown = sorted(set(args.only or ()) - set(VARIANTS))
     if unknown:
         p.error(f"--only {unknown}: the variants are {list(VARIANTS)}")
