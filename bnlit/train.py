@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import sys
+import time
 from pathlib import Path
 
 import hydra
@@ -20,19 +22,13 @@ from omegaconf import DictConfig, OmegaConf
 
 import bnlit.resolvers  # noqa: F401  (registers ${bnlit.*} resolvers)
 from bnlit import CONF_DIR
-from bnlit.checkpointing import prepare_resume
+from bnlit.checkpointing import Interrupted, prepare_resume, remove_partial_writes
 from bnlit.errors import BnlitError, ConfigError
-from bnlit.run_report import print_report, redact, run_tags, sweep_group, write_summary
+from bnlit.run_report import format_value, redact, run_tags, sweep_group, write_summary
+from bnlit.threads import load_average, set_threads
+from bnlit.validate import instantiate_checked, validate_config
 
 log = logging.getLogger("bnlit")
-
-
-def check_config(cfg: DictConfig) -> None:
-    """Cross-field checks that no single constructor can make."""
-    max_len = cfg.model.config.max_seq_len
-    if cfg.data.seq_len > max_len:
-        raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds model.config.max_seq_len={max_len} "
-                          f"of preset {cfg.model.config.name}; lower data.seq_len or raise max_seq_len")
 
 
 def instantiate_group(group: DictConfig | None, wandb_kwargs: dict | None = None) -> list:
@@ -41,14 +37,20 @@ def instantiate_group(group: DictConfig | None, wandb_kwargs: dict | None = None
         if c is None:
             continue
         extra = (wandb_kwargs or {}) if str(c.get("_target_", "")).endswith("WandbLogger") else {}
-        out.append(instantiate(c, **extra))
+        out.append(instantiate_checked(c, **extra))
     return out
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
     """Fit the configured model; return the final ``trainer.callback_metrics`` as floats."""
-    check_config(cfg)
-    ckpt_path, ckpt_io = prepare_resume(cfg.get("ckpt_path"), Path(cfg.paths.checkpoint_dir), cfg.get("overwrite", False),
+    start = time.perf_counter()
+    validate_config(cfg)  # seconds, before anything is built or written
+    threads = set_threads(cfg.get("threads", "auto"))
+    load_at_start = load_average()
+    callbacks = instantiate_group(cfg.get("callbacks"))  # their own argument checks, also before the data build
+    checkpoint_dir = Path(cfg.paths.checkpoint_dir)
+    remove_partial_writes(checkpoint_dir)
+    ckpt_path, ckpt_io = prepare_resume(cfg.get("ckpt_path"), checkpoint_dir, cfg.get("overwrite", False),
                                         instantiate(cfg.model.config), cfg.trainer.get("strategy"))
     L.seed_everything(cfg.seed, workers=True)
     if torch.cuda.is_available():
@@ -58,7 +60,6 @@ def train(cfg: DictConfig) -> dict[str, float]:
     model = instantiate(cfg.model)
     scheduler = instantiate(cfg.scheduler) if cfg.get("scheduler") else None
     module = instantiate(cfg.module)(model=model, optimizer=instantiate(cfg.optimizer), scheduler=scheduler)
-    callbacks = instantiate_group(cfg.get("callbacks"))
     loggers = instantiate_group(cfg.get("logger"), {"tags": run_tags(cfg), "group": sweep_group()})
     trainer: L.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False,
                                      plugins=[ckpt_io])
@@ -69,12 +70,57 @@ def train(cfg: DictConfig) -> dict[str, float]:
         trainer.validate(module, datamodule=datamodule, verbose=False)
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
+    if needs_final_validation(trainer):  # every run ends with the final model's val/loss (sweeps read it)
+        trainer.validate(module, datamodule=datamodule, verbose=False)
+        metrics.update({k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1})
     if trainer.is_global_zero:
         for lg in loggers:
             lg.save()
-        write_summary(Path(cfg.paths.output_dir), metrics)
-        print_report(cfg, metrics, loggers)
+        write_summary(Path(cfg.paths.output_dir), metrics, fast_path=getattr(module, "fast_path", None))
+        timing = {"wall_s": time.perf_counter() - start, "threads": threads, "load_start": load_at_start,
+                  "load_end": load_average()}
+        report(cfg, metrics, loggers, timing)
     return metrics
+
+
+def needs_final_validation(trainer: L.Trainer) -> bool:
+    """True when the fit ended on a step that was not validated (``max_steps`` is not a multiple
+    of ``val_check_interval``, or below it) and no validation was switched off."""
+    interval = trainer.val_check_interval
+    if trainer.interrupted or not trainer.limit_val_batches:
+        return False
+    if not isinstance(interval, int):  # a fraction of an epoch: Lightning validated at the epoch end
+        return False
+    return trainer.global_step > 0 and trainer.global_step % interval != 0
+
+
+def report(cfg: DictConfig, metrics: dict[str, float], loggers: list, timing: dict | None = None) -> None:
+    out = Path(cfg.paths.output_dir)
+    fmt = lambda k: format_value(k, metrics[k]) if k in metrics else "n/a"  # noqa: E731  (as summary.md)
+    lines = [
+        f"train/loss {fmt('train/loss')}  val/loss {fmt('val/loss')}",
+        f"run dir     {out}",
+        f"config      {out / '.hydra' / 'config.yaml'}",
+        f"tokenizer   {out / 'tokenizer.model'}",
+        f"checkpoints {cfg.paths.checkpoint_dir} (last.ckpt)",
+    ]
+    for lg in loggers:
+        where = getattr(lg, "log_dir", None) or getattr(lg, "save_dir", None)
+        lines.append(f"metrics     {type(lg).__name__}: {where}")
+    if timing:
+        load = lambda x: "n/a" if x is None else f"{x:.1f}"  # noqa: E731
+        lines.append(f"wall time   {format_duration(timing['wall_s'])} ({timing['threads']} threads; load average "
+                     f"{load(timing['load_start'])} at start, {load(timing['load_end'])} at end)")
+    print("\n".join(lines), flush=True)
+
+
+def format_duration(seconds: float) -> str:
+    """3725.4 -> '1h 02m 05s'; 95 -> '1m 35s'; 4.2 -> '4.2 s'."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    m, s = divmod(round(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h {m:02d}m {s:02d}s" if h else f"{m}m {s:02d}s"
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
@@ -82,6 +128,12 @@ def main(cfg: DictConfig) -> float | None:
     try:
         metrics = train(cfg)
         return optimized(metrics, cfg.get("optimized_metric"))
+    except Interrupted as e:
+        if e.rank_zero:
+            print(e.message(Path(cfg.paths.output_dir)), file=sys.stderr, flush=True)
+        if e.then is not None:
+            e.then()  # requeue a SLURM job
+        sys.exit(e.exit_code)
     except BnlitError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(e.exit_code)
