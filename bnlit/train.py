@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -22,9 +23,10 @@ from omegaconf import DictConfig, OmegaConf
 import bnlit.resolvers  # noqa: F401  (registers ${bnlit.*} resolvers)
 from bnlit import CONF_DIR
 from bnlit.checkpoint import read_checkpoint
+from bnlit.checkpointing import Interrupted, newest_checkpoint, remove_partial_writes, requeued_slurm_job
 from bnlit.ckpt_io import AtomicCheckpointIO
 from bnlit.errors import BnlitError, CheckpointError, ConfigError
-from bnlit.summary import redact, write_summary
+from bnlit.summary import format_value, redact, write_summary
 from bnlit.threads import load_average, set_threads
 from bnlit.validate import instantiate_checked, validate_config
 
@@ -33,20 +35,24 @@ log = logging.getLogger("bnlit")
 
 def resolve_ckpt_path(ckpt_path: str | None, checkpoint_dir: Path, overwrite: bool) -> str | None:
     """``None``: a fresh run, refused if the run dir already holds checkpoints (unless
-    ``overwrite``); ``"last"``: the newest checkpoint of this run dir; else an existing file."""
+    ``overwrite``), except in a requeued SLURM job, which resumes; ``"last"``: the complete
+    checkpoint of this run dir with the highest step; else an existing file."""
     existing = sorted(checkpoint_dir.glob("*.ckpt")) if checkpoint_dir.is_dir() else []
+    if ckpt_path is None and existing and requeued_slurm_job() and not overwrite:
+        log.info("requeued SLURM job (SLURM_RESTART_COUNT=%s): resuming from %s",
+                 os.environ.get("SLURM_RESTART_COUNT"), checkpoint_dir)
+        ckpt_path = "last"
     if ckpt_path is None:
         if existing and not overwrite:
             raise CheckpointError(f"{checkpoint_dir} already holds checkpoints of another run; resume with "
                                   "ckpt_path=last, choose a new hydra.run.dir, or pass overwrite=true")
         return None
     if ckpt_path == "last":
-        last = checkpoint_dir / "last.ckpt"
-        if last.is_file():
-            return str(last)
-        if existing:
-            return str(max(existing, key=lambda p: p.stat().st_mtime))
-        raise CheckpointError(f"ckpt_path=last: no checkpoint in {checkpoint_dir}; "
+        newest = newest_checkpoint(checkpoint_dir)
+        if newest is not None:
+            return str(newest)
+        torn = f" ({len(existing)} .ckpt files do not open: truncated or corrupt)" if existing else ""
+        raise CheckpointError(f"ckpt_path=last: no complete checkpoint in {checkpoint_dir}{torn}; "
                               "set hydra.run.dir to the run you want to resume")
     if not Path(ckpt_path).is_file():
         raise CheckpointError(f"ckpt_path={ckpt_path}: no such file; pass an existing .ckpt or ckpt_path=last")
@@ -101,6 +107,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     load_at_start = load_average()
     callbacks = instantiate_group(cfg.get("callbacks"))  # their own argument checks, also before the data build
     checkpoint_dir = Path(cfg.paths.checkpoint_dir)
+    remove_partial_writes(checkpoint_dir)
     ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), checkpoint_dir, cfg.get("overwrite", False))
     ckpt_io = AtomicCheckpointIO()
     if ckpt_path is not None:  # validate before Lightning sees it
@@ -153,7 +160,7 @@ def needs_final_validation(trainer: L.Trainer) -> bool:
 
 def report(cfg: DictConfig, metrics: dict[str, float], loggers: list, timing: dict | None = None) -> None:
     out = Path(cfg.paths.output_dir)
-    fmt = lambda k: f"{metrics[k]:.4f}" if k in metrics else "n/a"  # noqa: E731
+    fmt = lambda k: format_value(k, metrics[k]) if k in metrics else "n/a"  # noqa: E731  (as summary.md)
     lines = [
         f"train/loss {fmt('train/loss')}  val/loss {fmt('val/loss')}",
         f"run dir     {out}",
@@ -185,6 +192,12 @@ def main(cfg: DictConfig) -> float | None:
     try:
         metrics = train(cfg)
         return optimized(metrics, cfg.get("optimized_metric"))
+    except Interrupted as e:
+        if e.rank_zero:
+            print(e.message(Path(cfg.paths.output_dir)), file=sys.stderr, flush=True)
+        if e.then is not None:
+            e.then()  # requeue a SLURM job
+        sys.exit(e.exit_code)
     except BnlitError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(e.exit_code)

@@ -222,8 +222,8 @@ BAD_VALUES = [
                                   "the last steps; leave scheduler.total_steps at ${trainer.max_steps}"),
     (["model.config.n_head=3"], "model.config (tiny): n_head=3 must divide dim=64"),
     (["model.config.vocab_size=10"],
-     "model.config.vocab_size=10: a trained tokenizer needs at least 323 tokens (4 special, 256 byte fallback, "
-     "the required characters); raise it to at least 323, e.g. 8192"),
+     "model.config.vocab_size=10: a trained tokenizer needs at least 392 tokens (4 special, 256 byte fallback, "
+     "the required characters); raise it to at least 392, e.g. 8192"),
     (["data.seq_len=1024"], "data.seq_len=1024 exceeds model.config.max_seq_len=512 of preset tiny; "
                             "lower data.seq_len or raise max_seq_len"),
     (["data.sources.0.weight=0", "data.sources.1.weight=0"],

@@ -19,6 +19,7 @@ import numpy as np
 from torch.utils.data import ConcatDataset, DataLoader
 
 from bnlit import progress as progress_bars
+from bnlit.checkpointing import worker_ignores_interrupts
 from bnlit.data import embedded
 from bnlit.data.dataset import MixtureSampler, PackedWindows, mixture_counts
 from bnlit.data.pipeline import CleanConfig, clean_sources, load_stats, read_clean
@@ -28,7 +29,7 @@ from bnlit.data.sources import Source, check_exists, fingerprint, iter_documents
 from bnlit.errors import ConfigError, TokenizerError
 from bnlit.resume import gather_rng_states, resume_start, set_rng_state
 from bnlit.fertility import by_language, effective_shares, fertility_from_counts, token_weights_for_char_shares
-from bnlit.tokenizer import Tokenizer, sample_by_language, train_tokenizer, training_lines
+from bnlit.tokenizer import RECIPE_VERSION, Tokenizer, sample_by_language, train_tokenizer, training_lines
 
 log = logging.getLogger(__name__)
 TOKENIZER_FILE = "tokenizer.model"
@@ -136,11 +137,13 @@ class BnDataModule(L.LightningDataModule):
                     "or train a tokenizer of that size"
                 )
             return tok
-        spec = {k: cfg.get(k) for k in ("vocab_size", "model_type", "character_coverage")}
         lang_weights = dict(cfg["lang_weights"]) if cfg.get("lang_weights") else None
         normalization = cfg.get("normalization") or "nfc"
-        if lang_weights or normalization != "nfc":  # keys of the default recipe stay as they were
-            spec.update(lang_weights=lang_weights, normalization=normalization)
+        split_digits = bool(cfg.get("split_digits", True))
+        word_freq = {k: float(v) for k, v in (cfg.get("word_frequencies") or {}).items() if v}
+        spec = {**{k: cfg.get(k) for k in ("vocab_size", "model_type", "character_coverage")},
+                "lang_weights": lang_weights, "normalization": normalization, "split_digits": split_digits,
+                "word_frequencies": word_freq, "recipe": RECIPE_VERSION}
         key = hashlib.sha256(json.dumps([spec, fingerprints, self.val_fraction]).encode()).hexdigest()[:16]
         path = self.cache_dir / "tokenizers" / key / TOKENIZER_FILE
         if path.is_file():
@@ -149,14 +152,24 @@ class BnDataModule(L.LightningDataModule):
             timer = progress_bars.Timer().__enter__()
             docs = (d for s, p in resolved for d in self._documents(s, p)
                     if not is_validation(d, self.val_fraction))
-            if lang_weights:
+            if lang_weights or word_freq:
                 by_lang: dict[str, list[str]] = {}
                 for s, p in resolved:
                     by_lang.setdefault(s.language, []).extend(
                         training_lines(d for d in self._documents(s, p) if not is_validation(d, self.val_fraction)))
-                docs = sample_by_language(by_lang, lang_weights, seed=self.seed)
+                for lang, ratio in word_freq.items():
+                    if by_lang.get(lang):  # a supplement to a language the sources have
+                        chars = int(ratio * sum(map(len, by_lang[lang])))
+                        by_lang[lang] += embedded.word_lines(lang, chars, seed=self.seed)
+                if lang_weights and set(lang_weights) - set(by_lang):
+                    log.info("tokenizer.lang_weights: data.sources have no %s text; weighting %s only",
+                             sorted(set(lang_weights) - set(by_lang)), sorted(set(lang_weights) & set(by_lang)))
+                    lang_weights = {k: v for k, v in lang_weights.items() if k in by_lang}
+                docs = sample_by_language(by_lang, lang_weights if len(lang_weights or ()) > 1 else None,
+                                          seed=self.seed)
             train_tokenizer(docs, path, vocab_size=want, model_type=spec["model_type"],
-                            character_coverage=spec["character_coverage"], normalization=normalization)
+                            character_coverage=spec["character_coverage"], normalization=normalization,
+                            split_digits=split_digits)
             (path.parent / "sources.json").write_text(json.dumps([s.to_dict() for s, _ in resolved], indent=2))
             timer.__exit__()
             progress_bars.stage_summary("tokenizer", f"trained: {want} {spec['model_type']} pieces", timer.seconds)
@@ -314,6 +327,7 @@ class BnDataModule(L.LightningDataModule):
             num_workers=self.num_workers,
             pin_memory=self.pin_memory,
             persistent_workers=self.num_workers > 0,
+            worker_init_fn=worker_ignores_interrupts if self.num_workers > 0 else None,  # Ctrl-C: see bnlit.checkpointing
             # batches each worker keeps ready (torch's default, 2, when None); workers only
             prefetch_factor=self.prefetch_factor if self.num_workers > 0 else None,
         )

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bnlit.data.normalize import NORMALIZATION_VERSION
 from bnlit.errors import DataError
 from bnlit.progress import bar as progress_bar
 from bnlit.tokenizer import Tokenizer
@@ -53,7 +54,8 @@ def is_validation(text: str, val_fraction: float) -> bool:
 
 
 def shard_key(fingerprints: list[str], tokenizer_sha256: str, val_fraction: float) -> str:
-    payload = json.dumps([FORMAT_VERSION, fingerprints, tokenizer_sha256, val_fraction])
+    # the encode-time normalisation is part of what the tokens mean (bnlit/data/normalize.py)
+    payload = json.dumps([FORMAT_VERSION, fingerprints, tokenizer_sha256, val_fraction, NORMALIZATION_VERSION])
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
