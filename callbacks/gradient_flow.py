@@ -244,8 +244,12 @@ class GradientFlowArbiter(Callback):
         was_training = model.training
         try:
             probe = apply_to_collection(self._batch, torch.Tensor, lambda t: t[: self.probe_samples])
+            loss_fn = self.probe_loss
+            if loss_fn is lm_probe_loss and hasattr(pl_module, "loss_for_batch"):
+                # the module's own training loss (document mask, loss_impl), on either copy of the model
+                loss_fn = lambda m, b: pl_module.loss_for_batch(b, m)  # noqa: E731
             return fast_path_parity(
-                model, probe, self.probe_loss, fast_context=trainer.precision_plugin.forward_context(),
+                model, probe, loss_fn, fast_context=trainer.precision_plugin.forward_context(),
                 min_cosine=self.min_cosine, max_rel_norm_error=self.max_rel_norm_error, reduce=reduce,
             )
         finally:

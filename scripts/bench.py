@@ -43,7 +43,10 @@ import bnlit.resolvers  # noqa: F401
 from bnlit import CONF_DIR
 from bnlit.data.dataset import PackedWindows
 from bnlit.flops import flops_per_token
-from bnlit.module import next_token_loss, param_groups
+from bnlit.loss import loss_fn
+from bnlit.document_masking import document_mask
+from bnlit.module import param_groups
+from bnlit.tokenizer import EOS_ID
 from bnlit.perf import resolve_peak
 from bnlit.train import instantiate_group
 
@@ -114,6 +117,7 @@ def raw_run(cfg: DictConfig, datamodule, warmup: int, steps: int) -> dict:
     """The same model, optimizer, schedule, clipping and batches in a plain PyTorch loop."""
     torch.manual_seed(cfg.seed)
     model = instantiate(cfg.model)
+    model.loss_fn = loss_fn(cfg.module.loss_impl, "cpu")
     optimizer = instantiate(cfg.optimizer)(param_groups(model, cfg.optimizer.weight_decay))
     scheduler = instantiate(cfg.scheduler)(optimizer)
     clip = cfg.trainer.gradient_clip_val
@@ -126,7 +130,8 @@ def raw_run(cfg: DictConfig, datamodule, warmup: int, steps: int) -> dict:
         tf = time.perf_counter()
         x, y = next(batches)
         fetch += time.perf_counter() - tf
-        loss = next_token_loss(model(x), y)
+        mask = document_mask(x, EOS_ID) if cfg.module.document_masking else None
+        loss = model(x, y, mask=mask)
         loss.backward()
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)

@@ -270,7 +270,7 @@ def test_h100_config_is_the_fast_path():
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("train", overrides=["model=400m", "trainer=h100"])
     assert cfg.trainer.precision == "bf16-mixed" and cfg.trainer.accelerator == "gpu"
-    assert cfg.module.compile and cfg.module.fullgraph and cfg.module.sdpa_backend == "flash"
+    assert cfg.module.compile and cfg.module.fullgraph and cfg.module.sdpa_backend == "auto"
     assert cfg.optimizer.fused is True
     assert cfg.data.pin_memory and cfg.data.num_workers > 0 and cfg.data.prefetch_factor >= 2
     assert cfg.data.seq_len == 2048 and cfg.callbacks.mfu.min_mfu_pct == 20.0
