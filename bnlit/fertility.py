@@ -40,6 +40,7 @@ class Fertility:
     tokens: int
     byte_tokens: int
     unk_tokens: int
+    mark_start_tokens: int = 0  # tokens whose text starts with a Bangla combining mark (a bad split)
 
     @property
     def chars_per_token(self) -> float:
@@ -61,16 +62,33 @@ class Fertility:
     def unk_rate(self) -> float:
         return self.unk_tokens / self.tokens if self.tokens else float("nan")
 
+    @property
+    def mark_start_rate(self) -> float:
+        """Share of tokens that start with a vowel sign, hasanta, nukta or other Bangla combining
+        mark: a token boundary inside a grapheme cluster (0 for a script without such marks)."""
+        return self.mark_start_tokens / self.tokens if self.tokens else float("nan")
+
     def to_dict(self) -> dict:
         return {**asdict(self), "chars_per_token": self.chars_per_token,
                 "bytes_per_token": self.bytes_per_token, "tokens_per_word": self.tokens_per_word,
-                "byte_fallback_rate": self.byte_fallback_rate, "unk_rate": self.unk_rate}
+                "byte_fallback_rate": self.byte_fallback_rate, "unk_rate": self.unk_rate,
+                "mark_start_rate": self.mark_start_rate}
 
 
 def byte_piece_table(tokenizer) -> tuple[np.ndarray, int]:
     """A boolean array over the vocabulary marking byte-fallback pieces, and the unknown id."""
     sp = tokenizer.sp
     return np.array([sp.is_byte(i) for i in range(sp.get_piece_size())], dtype=bool), sp.unk_id()
+
+
+def mark_start_table(tokenizer) -> np.ndarray:
+    """A boolean array over the vocabulary marking pieces whose text (after any ``▁``) starts
+    with a Bangla combining mark (``bnlit.tokenizer.COMBINING_MARKS``)."""
+    from bnlit.tokenizer import COMBINING_MARKS
+
+    sp, marks = tokenizer.sp, set(COMBINING_MARKS)
+    return np.array([not sp.is_byte(i) and sp.id_to_piece(i).lstrip("\u2581")[:1] in marks
+                     for i in range(sp.get_piece_size())], dtype=bool)
 
 
 def piece_chars(tokenizer) -> np.ndarray:
@@ -96,13 +114,18 @@ def measure(texts: Sequence[str], tokenizer, language: str = "", num_threads: in
     chars = sum(len(t) for t in texts)
     nbytes = sum(len(t.encode("utf-8")) for t in texts)
     words = sum(len(t.split()) for t in texts)
-    if tokenizer == BYTES:
-        return Fertility(language, len(texts), chars, nbytes, words, nbytes, nbytes, 0)
+    if tokenizer == BYTES:  # a mark's first byte starts a token
+        from bnlit.tokenizer import COMBINING_MARKS
+
+        marks = sum(t.count(m) for t in texts for m in COMBINING_MARKS)
+        return Fertility(language, len(texts), chars, nbytes, words, nbytes, nbytes, 0, marks)
     is_byte, unk = byte_piece_table(tokenizer)
+    mark = mark_start_table(tokenizer)
     ids = tokenizer.encode_batch(list(texts), num_threads=num_threads)
     flat = np.fromiter((i for doc in ids for i in doc), dtype=np.int64)
     return Fertility(language, len(texts), chars, nbytes, words, int(flat.size),
-                     int(is_byte[flat].sum()) if flat.size else 0, int((flat == unk).sum()))
+                     int(is_byte[flat].sum()) if flat.size else 0, int((flat == unk).sum()),
+                     int(mark[flat].sum()) if flat.size else 0)
 
 
 def fertility_from_counts(chars: int, tokens: int) -> float:

@@ -13,9 +13,12 @@ from collections.abc import Callable
 import lightning as L
 import torch
 import torch.nn as nn
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.utilities import GradClipAlgorithmType
 
 from bnlit import document_masking, sdpa
 from bnlit.errors import BnlitError
+from bnlit.fast_path import describe_fast_path
 from bnlit.loss import loss_fn, logits_loss
 from bnlit.tokenizer import EOS_ID
 
@@ -37,6 +40,22 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
         {"params": decay, "weight_decay": weight_decay, "name": "decay"},
         {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
     ]
+
+
+def shard(model: nn.Module, mesh, compile: bool = False, fullgraph: bool = False) -> None:
+    """FSDP2 (``fully_shard``) as torchtitan applies it: each transformer block is one unit (its
+    parameters are gathered just before it runs and freed after), the root holds the embeddings,
+    final norm and the (tied) head. A block is compiled before it is sharded, so the compiled
+    graphs contain no collectives. Lightning's mesh is (data_parallel = nodes, tensor_parallel =
+    devices per node); bnlit has no tensor parallelism, so sharding over that 2-D mesh is HSDP:
+    sharded within a node, replicated across nodes. On one node it is plain FSDP."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.layers:
+        if compile:
+            block.compile(fullgraph=fullgraph)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
 
 
 class LMModule(L.LightningModule):
@@ -71,11 +90,12 @@ class LMModule(L.LightningModule):
         self.scheduler_factory = scheduler
         self.compile, self.fullgraph, self.sdpa_backend = compile, fullgraph, sdpa_backend
         self.loss_impl, self.document_masking = loss_impl, document_masking
-        # what ran on the first training step: "sdpa:flash", "sdpa:cudnn", "flex_attention", ...
+        # the kernel training steps dispatch (set in configure_model): "sdpa:flash", "sdpa:cudnn", "flex_attention", ...
         self.attention_kernel: str | None = None
         self._val_losses: list[tuple[torch.Tensor, int]] = []
         self._step_loss: torch.Tensor | None = None  # sum of this optimizer step's micro-batch losses
-        self._compiled = False
+        self._configured = False
+        self.fast_path: str | None = None  # the run's "fast path: ..." line, set at train start
 
     def configure_model(self) -> None:
         device = self.trainer.strategy.root_device if self._trainer is not None else self.device
@@ -83,13 +103,28 @@ class LMModule(L.LightningModule):
         if device.type == "cuda":
             sdpa.enable(self.sdpa_backend)
             cfg = self.model.config
-            dtype = torch.bfloat16 if "bf16" in str(self.trainer.precision) else (
-                torch.float16 if "16" in str(self.trainer.precision) else torch.float32)
+            precision = str(self.trainer.precision)
+            dtype = torch.bfloat16 if "bf16" in precision else torch.float16 if "16" in precision else torch.float32
             sdpa.check_supported(self.sdpa_backend, cfg.n_head, cfg.n_kv_heads, cfg.head_dim, cfg.max_seq_len, dtype,
                                  device)
-        if self.compile and not self._compiled:
-            self.model.compile(fullgraph=self.fullgraph)
-            self._compiled = True
+        if self._trainer is not None:
+            seq_len = getattr(self.trainer.datamodule, "seq_len", None) or self.model.config.max_seq_len
+            with self.trainer.precision_plugin.forward_context():
+                self.attention_kernel = self._attention_kernel(torch.zeros(1, seq_len, dtype=torch.long, device=device))
+        if self._configured:  # configure_model runs again on a second fit/validate of this module
+            return
+        mesh = self.device_mesh  # set by ModelParallelStrategy (trainer=fsdp), None otherwise
+        if mesh is None:
+            if self.compile:
+                self.model.compile(fullgraph=self.fullgraph)
+        else:
+            shard(self.model, mesh, compile=self.compile, fullgraph=self.fullgraph)
+        self._configured = True
+
+    def on_train_start(self) -> None:
+        self.fast_path = describe_fast_path(self.trainer, self)
+        if self.trainer.is_global_zero:
+            log.info("%s", self.fast_path)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)
@@ -99,17 +134,15 @@ class LMModule(L.LightningModule):
         return document_masking.document_mask(x, EOS_ID) if self.document_masking else None
 
     def loss_for_batch(self, batch, model: nn.Module | None = None) -> torch.Tensor:
-        """The training loss of an ``(x, y)`` batch: the model's own loss with this run's document
-        mask and ``loss_impl``. ``model`` (default ``self.model``) lets the gradient-flow arbiter's
-        parity probe run the same loss on its eager fp32 copy."""
+        """The training loss of one ``(x, y)`` batch, nothing logged: the model's own loss (in
+        the compiled graph when compiled) with this run's document mask and ``loss_impl``.
+        ``training_step`` and the gradient-flow arbiter's fast-path parity probe both call it, so
+        the probe checks the loss that trains (README, "Gradient flow (the arbiter)"). ``model``
+        (default ``self.model``) runs the same loss on another copy of the weights."""
         x, y = batch
         return (model or self.model)(x, y, mask=self.attention_mask(x))
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
-        if self.attention_kernel is None:
-            self.attention_kernel = self._attention_kernel(batch[0])
-            log.info("attention: %s (module.sdpa_backend=%s, document_masking=%s, loss_impl=%s)",
-                     self.attention_kernel, self.sdpa_backend, self.document_masking, self.loss_impl)
         loss = self.loss_for_batch(batch)
         # no host read and no all-reduce on the steps nobody logs: the micro-batch losses add up
         # on the device and reach the loggers and the progress bar on logging steps only (global
@@ -127,8 +160,9 @@ class LMModule(L.LightningModule):
         return loss
 
     def _attention_kernel(self, x: torch.Tensor) -> str:
-        """The attention kernel this run's first step dispatches: PyTorch's own SDPA choice for
-        the step's query/key shapes, dtype and mask, or flex attention for the CUDA document mask."""
+        """The attention kernel a training step on windows like ``x`` dispatches (call it under
+        the precision plugin's autocast): PyTorch's own SDPA choice for the step's query/key
+        shapes, dtype and mask, or flex attention for the CUDA document mask."""
         if self.document_masking and x.is_cuda:
             return "flex_attention" + (" (compiled)" if self.compile else " (eager: compile the model to fuse it)")
         cfg = self.model.config
@@ -175,6 +209,18 @@ class LMModule(L.LightningModule):
             weights = torch.tensor([n for _, n in self._val_losses], device=losses.device, dtype=losses.dtype)
             self.log("val/loss", (losses * weights).sum() / weights.sum(), prog_bar=True)
         self._val_losses = []
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        plugin = self.trainer.precision_plugin
+        if gradient_clip_val and isinstance(plugin, MixedPrecision) and plugin.scaler is None:
+            # bf16-mixed has no loss scaler, so the gradients are already true gradients and
+            # clipping them before a fused optimizer's step is exact. Lightning's
+            # MixedPrecision.clip_gradients refuses every optimizer that "handles unscaling"
+            # (fused=True) whether or not a scaler exists; its base class clips without that check.
+            # With fp16 (a scaler) the refusal stands: a fused step unscales after clipping.
+            Precision.clip_gradients(plugin, optimizer, gradient_clip_val, GradClipAlgorithmType(gradient_clip_algorithm or "norm"))
+            return
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def configure_optimizers(self):
         wd = self.optimizer_factory.keywords.get("weight_decay", 0.0)

@@ -100,7 +100,10 @@ class NaNGuard(L.Callback):
         grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
         norm = None
         if self.check_grads and grads:
-            norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0).to(loss.device, loss.dtype)
+            norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+            if hasattr(norm, "full_tensor"):  # FSDP2: a norm of sharded DTensor gradients, reduced here
+                norm = norm.full_tensor()
+            norm = norm.to(loss.device, loss.dtype)
         if self._average is None:
             avg = math.nan if self.tracker.average is None else self.tracker.average
             self._average = torch.tensor(avg, dtype=torch.float32, device=loss.device)

@@ -2,12 +2,12 @@
 twin; optionally English multiple-choice accuracy (lm-eval-harness ``acc_norm`` scoring).
 
     python scripts/evaluate.py --checkpoint CKPT --text bn=FILE --text en=FILE [--json]
-                               [--twin/--no-twin] [--mc FILE]
+                               [--twin/--no-twin] [--multiple-choice FILE]
 
 A ``.txt`` file is one document per blank-line separated paragraph, a ``.jsonl`` file one
 ``{"text": ...}`` per line. Every document token and one end-of-document token per document are
 scored once, in windows of the training ``seq_len``. ``--json`` prints one JSON object keyed by
-language, with top-level ``vocab_size`` (and ``mc`` when asked).
+language, with top-level ``vocab_size`` (and ``multiple_choice`` when asked).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from bnlit.checkpoint import DATAMODULE_KEY, load_model
 from bnlit.errors import BnlitError, ConfigError
 from bnlit.evaluation import evaluate_documents, read_documents, twin_model
 
-RESERVED = ("vocab_size", "ln_vocab", "checkpoint", "step", "seq_len", "mc")
+RESERVED = ("vocab_size", "ln_vocab", "checkpoint", "step", "seq_len", "multiple_choice")
 FIELDS = ("nll_per_token", "perplexity", "bits_per_char", "bits_per_byte")
 
 
@@ -42,8 +42,8 @@ def parse_text(specs: list[str]) -> dict[str, Path]:
 
 def evaluate(args: argparse.Namespace) -> dict:
     texts = parse_text(args.text or [])
-    if not texts and not args.mc:
-        raise ConfigError("nothing to evaluate: pass --text LANG=FILE and/or --mc FILE")
+    if not texts and not args.multiple_choice:
+        raise ConfigError("nothing to evaluate: pass --text LANG=FILE and/or --multiple-choice FILE")
     docs = {lang: read_documents(path) for lang, path in texts.items()}
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model, tok, ckpt = load_model(args.checkpoint)
@@ -64,15 +64,15 @@ def evaluate(args: argparse.Namespace) -> dict:
             row |= {f"twin_{k}": getattr(t, k) for k in FIELDS}
             row["nll_gap"] = t.nll_per_token - r.nll_per_token
         out[lang] = row
-    if args.mc:
-        from bnlit.mc import load_items, score_items
+    if args.multiple_choice:
+        from bnlit.multiple_choice import load_items, score_items
 
-        items = load_items(args.mc)
-        mc = score_items(model, tok, items, seq_len)
-        mc.pop("predictions")
+        items = load_items(args.multiple_choice)
+        scores = score_items(model, tok, items, seq_len)
+        scores.pop("predictions")
         if twin is not None:
-            mc["twin_acc_norm"] = score_items(twin, tok, items, seq_len)["acc_norm"]
-        out["mc"] = {"file": str(args.mc), **mc}
+            scores["twin_acc_norm"] = score_items(twin, tok, items, seq_len)["acc_norm"]
+        out["multiple_choice"] = {"file": str(args.multiple_choice), **scores}
     return out
 
 
@@ -91,8 +91,8 @@ def format_report(res: dict) -> str:
             if twin:
                 line += f"{r['twin_nll_per_token']:>10.4f}{r['twin_bits_per_char']:>10.4f}"
             lines.append(line)
-    if "mc" in res:
-        m = res["mc"]
+    if "multiple_choice" in res:
+        m = res["multiple_choice"]
         lines.append(f"multiple choice {m['file']}: {m['n']} items, acc_norm {m['acc_norm']:.3f}, acc {m['acc']:.3f}, "
                      f"chance {m['chance']:.3f}" + (f", twin acc_norm {m['twin_acc_norm']:.3f}" if "twin_acc_norm" in m else ""))
     return "\n".join(lines)
@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--twin", action=argparse.BooleanOptionalAction, default=True,
                    help="also score a randomly initialised twin (default: on)")
     p.add_argument("--twin-seed", type=int, default=1234)
-    p.add_argument("--mc", type=Path, help='multiple-choice JSONL: {"context", "choices", "label"} per line')
+    p.add_argument("--multiple-choice", type=Path, help='multiple-choice JSONL: {"context", "choices", "label"} per line')
     p.add_argument("--seq-len", type=int, help="window length (default: the training seq_len)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda when available)")

@@ -26,13 +26,13 @@ from bnlit.errors import DataError
 
 
 @dataclass
-class MCItem:
+class MultipleChoiceItem:
     context: str
     choices: list[str]
     label: int
 
 
-def load_items(path: str | os.PathLike) -> list[MCItem]:
+def load_items(path: str | os.PathLike) -> list[MultipleChoiceItem]:
     """Read and validate a multiple-choice JSONL file."""
     path = Path(path)
     if not path.is_file():
@@ -44,7 +44,7 @@ def load_items(path: str | os.PathLike) -> list[MCItem]:
             continue
         try:
             row = json.loads(line)
-            item = MCItem(str(row["context"]), [str(c) for c in row["choices"]], int(row["label"]))
+            item = MultipleChoiceItem(str(row["context"]), [str(c) for c in row["choices"]], int(row["label"]))
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
             raise DataError(f"{path}:{n}: not a {{\"context\", \"choices\", \"label\"}} object ({e}); fix that line") from None
         if len(item.choices) < 2 or not 0 <= item.label < len(item.choices) or not all(item.choices):
@@ -82,7 +82,7 @@ def continuation_logprob(model: nn.Module, context_ids: list[int], continuation_
     return float(logp[-n:].gather(1, targets[:, None]).sum())
 
 
-def score_items(model: nn.Module, tokenizer, items: list[MCItem], max_len: int) -> dict:
+def score_items(model: nn.Module, tokenizer, items: list[MultipleChoiceItem], max_len: int) -> dict:
     """``acc`` (sum log-likelihood), ``acc_norm`` (per character of the choice), ``chance`` (mean
     of 1/#choices) and the per-item predictions. The model's mode is restored afterwards."""
     was_training = model.training

@@ -1,0 +1,177 @@
+"""Count-based baselines on the run's own tokenizer and training text: an add-one unigram and an
+interpolated Kneser-Ney bigram, per language, counted from the training shards.
+
+A randomly initialised twin is the weakest possible baseline: a model that has learned only token
+frequencies already beats it by a wide margin. These tables answer the next two questions: has the
+model learned more than frequencies (below the unigram), and has it learned context (below the
+bigram)? Both are scored exactly like the model (:func:`bnlit.evaluation.evaluate_stream`): the
+stream ``[eos] doc_1 [eos] doc_2 [eos] ...``, every token after the first predicted once, so their
+NLL/token, bits/char and bits/byte sit in the same table as the trained model's.
+
+- **unigram**, add-one (Laplace): ``p(w) = (c(w) + 1) / (N + V)``.
+- **bigram**, interpolated Kneser-Ney (Kneser & Ney 1995; Chen & Goodman 1998, eq. 26)::
+
+      p(w | v) = max(c(v, w) - D, 0) / c(v) + D * N1+(v .) / c(v) * p_cont(w)
+      p_cont(w) = max(N1+(. w) - D1, 0) / N1+(. .) + D1 * |{w : N1+(. w) > 0}| / N1+(. .) / V
+
+  with ``p(w | v) = p_cont(w)`` for a context never seen, and each order's discount from its own
+  counts of counts, ``D = n1 / (n1 + 2 n2)`` (Ney, Essen & Kneser 1994). The continuation
+  unigram is interpolated with the uniform distribution, so no token gets probability zero.
+
+Counts are small (a sorted array of the distinct bigrams seen), saved with the run as
+``<run dir>/baselines/ngram_<lang>.npz`` and reloaded by ``scripts/evaluate.py``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from bnlit.evaluation import EvalResult
+
+BASELINES = ("unigram", "bigram")
+BASELINE_DIR = "baselines"
+
+
+def discount(counts: np.ndarray) -> float:
+    """Ney et al.'s absolute discount ``n1 / (n1 + 2 n2)`` from the counts of counts (0.5 when
+    there is neither a singleton nor a doubleton)."""
+    n1, n2 = int(np.sum(counts == 1)), int(np.sum(counts == 2))
+    return n1 / (n1 + 2 * n2) if n1 + n2 else 0.5
+
+
+@dataclass
+class NgramCounts:
+    """Unigram and bigram counts of one language's training stream.
+
+    ``unigram[w]``: times ``w`` was predicted (every stream position after the first);
+    ``bigram_keys``: the distinct pairs ``v * V + w`` in increasing order, ``bigram_counts`` their counts.
+    """
+
+    vocab_size: int
+    unigram: np.ndarray
+    bigram_keys: np.ndarray
+    bigram_counts: np.ndarray
+
+    @property
+    def tokens(self) -> int:
+        return int(self.unigram.sum())
+
+    # ---- building ------------------------------------------------------------------------
+    @classmethod
+    def from_stream(cls, stream: np.ndarray, vocab_size: int) -> "NgramCounts":
+        """Counts of one token stream laid out as ``[eos] doc [eos] doc [eos] ...``."""
+        s = np.asarray(stream, dtype=np.int64)
+        if s.size and (s.min() < 0 or s.max() >= vocab_size):
+            raise ValueError(f"token ids outside [0, {vocab_size}) in the n-gram stream")
+        unigram = np.bincount(s[1:], minlength=vocab_size).astype(np.int64)
+        keys, counts = np.unique(s[:-1] * vocab_size + s[1:], return_counts=True)
+        return cls(vocab_size, unigram, keys, counts.astype(np.int64))
+
+    def save(self, path: str | os.PathLike) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}.npz")
+        np.savez_compressed(tmp, vocab_size=np.int64(self.vocab_size), unigram=self.unigram,
+                            bigram_keys=self.bigram_keys, bigram_counts=self.bigram_counts)
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "NgramCounts":
+        with np.load(path) as z:
+            return cls(int(z["vocab_size"]), z["unigram"], z["bigram_keys"], z["bigram_counts"])
+
+    # ---- probabilities -------------------------------------------------------------------
+    def unigram_logprob(self) -> np.ndarray:
+        """ln p(w) of the add-one unigram, for every token id."""
+        return np.log((self.unigram + 1.0) / (self.tokens + self.vocab_size))
+
+    def continuation(self) -> np.ndarray:
+        """``p_cont(w)``: the Kneser-Ney lower order, interpolated with uniform."""
+        V = self.vocab_size
+        n_prev = np.bincount(self.bigram_keys % V, minlength=V).astype(np.float64)  # N1+(. w)
+        types = n_prev.sum()  # N1+(. .)
+        if types == 0:
+            return np.full(V, 1.0 / V)
+        d1 = discount(n_prev[n_prev > 0])
+        return np.maximum(n_prev - d1, 0.0) / types + d1 * np.count_nonzero(n_prev) / types / V
+
+    def bigram_logprob(self, prev: np.ndarray, nxt: np.ndarray) -> np.ndarray:
+        """ln p(nxt | prev) of the interpolated Kneser-Ney bigram, elementwise."""
+        V = self.vocab_size
+        prev, nxt = np.asarray(prev, dtype=np.int64), np.asarray(nxt, dtype=np.int64)
+        d = discount(self.bigram_counts)
+        ctx = self.bigram_keys // V
+        c_ctx = np.bincount(ctx, weights=self.bigram_counts, minlength=V)  # c(v)
+        n_follow = np.bincount(ctx, minlength=V).astype(np.float64)  # N1+(v .)
+        p_cont = self.continuation()
+        keys = prev * V + nxt
+        c_vw = np.zeros(keys.shape, dtype=np.float64)
+        if len(self.bigram_keys):
+            pos = np.minimum(np.searchsorted(self.bigram_keys, keys), len(self.bigram_keys) - 1)
+            found = self.bigram_keys[pos] == keys
+            c_vw[found] = self.bigram_counts[pos[found]]
+        cv = c_ctx[prev]
+        seen = cv > 0
+        safe = np.where(seen, cv, 1.0)
+        p = np.where(seen, (np.maximum(c_vw - d, 0.0) + d * n_follow[prev] * p_cont[nxt]) / safe, p_cont[nxt])
+        return np.log(p)
+
+    # ---- scoring ---------------------------------------------------------------------------
+    def nll(self, stream: np.ndarray, order: str) -> tuple[float, int]:
+        """Summed NLL (nats) and number of scored tokens of ``stream`` (every token after the
+        first, as :func:`bnlit.evaluation.evaluate_stream` scores a model)."""
+        s = np.asarray(stream, dtype=np.int64)
+        if s.size < 2:
+            return 0.0, 0
+        if order == "unigram":
+            lp = self.unigram_logprob()[s[1:]]
+        elif order == "bigram":
+            lp = self.bigram_logprob(s[:-1], s[1:])
+        else:
+            raise ValueError(f"n-gram order {order!r}: use one of {BASELINES}")
+        return float(-lp.sum()), int(s.size - 1)
+
+    def evaluate(self, stream: np.ndarray, chars: int, nbytes: int) -> dict[str, EvalResult]:
+        """``{"unigram": EvalResult, "bigram": EvalResult}`` of ``stream``, whose text has
+        ``chars`` characters and ``nbytes`` UTF-8 bytes."""
+        return {order: EvalResult(*self.nll(stream, order), chars, nbytes) for order in BASELINES}
+
+
+def training_streams(shard_dir: str | os.PathLike, index: dict, eos_id: int) -> dict[str, np.ndarray]:
+    """Each language's training tokens as one stream ``[eos] doc [eos] ...`` (its sources' train
+    shards, which end every document with ``eos``, concatenated in index order)."""
+    from bnlit.data.shards import read_tokens
+
+    parts: dict[str, list[np.ndarray]] = {}
+    for name, entry in index["sources"].items():
+        parts.setdefault(entry["language"], []).append(np.asarray(read_tokens(shard_dir, index, name, "train")))
+    head = np.asarray([eos_id], dtype=np.int64)
+    return {lang: np.concatenate([head] + [a.astype(np.int64) for a in arrays]) for lang, arrays in parts.items()}
+
+
+def count_languages(streams: dict[str, np.ndarray], vocab_size: int) -> dict[str, NgramCounts]:
+    return {lang: NgramCounts.from_stream(s, vocab_size) for lang, s in streams.items()}
+
+
+def baseline_path(run_dir: str | os.PathLike, lang: str) -> Path:
+    return Path(run_dir) / BASELINE_DIR / f"ngram_{lang}.npz"
+
+
+def save_baselines(run_dir: str | os.PathLike, counts: dict[str, NgramCounts]) -> list[Path]:
+    return [c.save(baseline_path(run_dir, lang)) for lang, c in counts.items()]
+
+
+def load_baselines(run_dir: str | os.PathLike, languages: Iterable[str]) -> dict[str, NgramCounts]:
+    """The saved counts of each of ``languages`` that the run has (missing ones are left out)."""
+    out = {}
+    for lang in languages:
+        p = baseline_path(run_dir, lang)
+        if p.is_file():
+            out[lang] = NgramCounts.load(p)
+    return out
