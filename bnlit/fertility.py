@@ -24,6 +24,9 @@ import numpy as np
 BYTES = "bytes"
 DEFAULT_FLOORS = {"bn": 2.5}
 DEFAULT_MAX_FACTOR = 1.5
+# the token premium a bilingual tokenizer should stay within on parallel text (Petrov et al. 2023
+# report 1.01 for MuRIL, 1.17 for BLOOM and 1.38 for XLM-R on Bangla; bytes give 2.63)
+DEFAULT_PREMIUM_BAND = (0.8, 1.25)
 
 _BENGALI = (0x0980, 0x09FF)
 
@@ -288,4 +291,42 @@ def report(texts_by_language: Mapping[str, Sequence[str]], tokenizer, parallel: 
                              f"{ {k: len(v) for k, v in texts_by_language.items()} }")
         for lang, p in token_premium({k: f.tokens for k, f in results.items()}).items():
             out[lang]["premium"] = p
+    return out
+
+
+def read_parallel(files: Mapping[str, str | Path], field: str = "parallel") -> dict[str, list[str]]:
+    """Line-aligned translations ``{lang: file}`` -> ``{lang: lines}``; every file must exist and
+    have the same number of non-empty lines (the check a content-matched premium needs)."""
+    from bnlit.errors import ConfigError
+
+    texts = {}
+    for lang, file in files.items():
+        path = Path(file).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"{field}.{lang}: {path} does not exist; point it at a line-aligned translation "
+                              f"file or set {field}=null")
+        texts[lang] = read_lines(path)
+    counts = {lang: len(lines) for lang, lines in texts.items()}
+    if len(texts) < 2 or len(set(counts.values())) != 1 or not next(iter(counts.values())):
+        raise ConfigError(f"{field}: {counts} lines per language; parallel text needs two or more languages "
+                          f"with the same number of non-empty lines, line i of each a translation of the others")
+    return texts
+
+
+def premium_verdicts(premium: Mapping[str, float], band: Sequence[float] = DEFAULT_PREMIUM_BAND,
+                     source: str = "parallel text") -> list[str]:
+    """One message per language whose token premium on parallel text (its tokens divided by the
+    reference language's for the same content, :func:`token_premium`) is outside ``band``, in
+    either direction: above it the language is under-served, below it the reference is."""
+    lo, hi = band
+    ref = "en" if "en" in premium else next(iter(premium), None)
+    out = []
+    for lang, p in premium.items():
+        if lang == ref or lo <= p <= hi:
+            continue
+        starved, fed = (lang, ref) if p > hi else (ref, lang)
+        out.append(f"tokenizer premium: {lang} needs {p:.2f}x the tokens {ref} needs for the same content on "
+                   f"{source}, outside {lo:.2f}-{hi:.2f}; the vocabulary under-serves {starved}: retrain the "
+                   f"tokenizer with more {starved} text (tokenizer.lang_weights {{{starved}: more, {fed}: less}}) "
+                   f"or widen callbacks.fertility.premium_band")
     return out

@@ -84,8 +84,23 @@ def plot(series: dict[str, list[tuple[int, float]]], keys: list[str], title: str
     return path
 
 
-def _fmt(v: Any) -> str:
-    return f"{v:.4g}" if isinstance(v, float) else str(v)
+def format_value(key: str, v: Any) -> str:
+    """One format for a metric everywhere (summary.md and the console line): 4 decimals
+    (``9.0170``), thousands grouped from 1000 (``12,345``), scientific below 0.001
+    (``3.000e-05``), 2 decimals for sizes in GiB (``1.27``)."""
+    if not isinstance(v, float) or not math.isfinite(v):
+        return str(v)
+    if key.endswith("_gib"):
+        return f"{v:.2f}"
+    if abs(v) >= 1000:
+        return f"{v:,.0f}"
+    if abs(v) >= 1e-3 or v == 0:
+        return f"{v:.4f}"
+    return f"{v:.3e}"
+
+
+def _fmt(v: Any, key: str = "") -> str:
+    return format_value(key, v)
 
 
 def write_summary(run_dir: str | os.PathLike, metrics: Mapping[str, float] | None = None,
@@ -103,10 +118,14 @@ def write_summary(run_dir: str | os.PathLike, metrics: Mapping[str, float] | Non
     if final:
         headline = {k: v for k, v in final.items() if k in ("perf/tokens_per_s", "val/loss")
                     or any(wanted(k) for wanted in PLOTS.values())}
-        lines += ["## Headline", "", "| metric | final value |", "|---|---|"]
-        lines += [f"| `{k}` | {_fmt(v)} |" for k, v in sorted(headline.items())]
-        lines += ["", "<details><summary>all final metrics</summary>", "", "| metric | value |", "|---|---|"]
-        lines += [f"| `{k}` | {_fmt(v)} |" for k, v in sorted(final.items())]
+        # the step each value was logged at: a metric logged every N steps (grad/*) shows its last
+        step = {k: v[-1][0] for k, v in series.items() if v}
+        row = lambda k, v: f"| `{k}` | {_fmt(v, k)} | {step.get(k, 'end')} |"  # noqa: E731
+        lines += ["## Headline", "", "| metric | final value | at step |", "|---|---|---|"]
+        lines += [row(k, v) for k, v in sorted(headline.items())]
+        lines += ["", "<details><summary>all final metrics</summary>", "",
+                  "| metric | value | at step |", "|---|---|---|"]
+        lines += [row(k, v) for k, v in sorted(final.items())]
         lines += ["", "</details>", ""]
     plots = []
     for name, wanted in PLOTS.items():

@@ -152,7 +152,11 @@ def train_tokenizer(
     out_path.parent.mkdir(parents=True, exist_ok=True)
     model = io.BytesIO()
     bar = progress.bar("tokenizer: reading", unit="line")
-    lines = (bar.update() or line for line in training_lines(texts))
+
+    def lines() -> Iterator[str]:  # tqdm's update() returns True when it redraws: never yield that
+        for line in training_lines(texts):
+            bar.update()
+            yield line
 
     def on_log(line: str) -> bool:
         """SentencePiece's INFO lines drive the bar and are not shown; warnings and errors are."""
@@ -168,7 +172,7 @@ def train_tokenizer(
     try:
         with progress.native_log_lines(on_log):
             spm.SentencePieceTrainer.train(
-                sentence_iterator=lines,
+                sentence_iterator=lines(),
                 model_writer=model,
                 vocab_size=vocab_size,
                 model_type=model_type,

@@ -253,3 +253,60 @@ def test_fertility_check_warns_and_flags_an_inverted_mixture(make_cfg, english_o
     messages = [str(w.message) for w in record]
     assert any("below the floor" in m for m in messages)
     assert any("mixture inverted in characters: bn was meant to outweigh en" in m for m in messages)
+
+
+# ---- content-matched premium on parallel text -------------------------------------------------
+PAIRS = [("আমি বাংলায় গান গাই।", "I sing in Bangla."), ("আজ আকাশ পরিষ্কার।", "The sky is clear today."),
+         ("সে প্রতিদিন স্কুলে যায়।", "She goes to school every day."), ("আমরা একসাথে খাই।", "We eat together."),
+         ("বইটি টেবিলের উপরে আছে।", "The book is on the table.")]
+
+
+def _parallel(tmp_path) -> tuple:
+    bn, en = tmp_path / "bn.txt", tmp_path / "en.txt"
+    bn.write_text("\n".join(b for b, _ in PAIRS) + "\n", encoding="utf-8")
+    en.write_text("\n".join(e for _, e in PAIRS) + "\n", encoding="utf-8")
+    return bn, en
+
+
+def test_premium_verdicts_warn_in_both_directions():
+    assert fertility.premium_verdicts({"bn": 1.0, "en": 1.0}) == []
+    high = fertility.premium_verdicts({"bn": 2.63, "en": 1.0}, source="FLORES")
+    assert len(high) == 1 and "bn needs 2.63x the tokens en needs" in high[0] and "under-serves bn" in high[0]
+    low = fertility.premium_verdicts({"bn": 0.62, "en": 1.0})
+    assert len(low) == 1 and "under-serves en" in low[0] and "outside 0.80-1.25" in low[0]
+    assert fertility.premium_verdicts({"bn": 0.62, "en": 1.0}, band=(0.5, 1.5)) == []
+
+
+def test_parallel_text_and_band_are_checked_when_the_callback_is_built(tmp_path):
+    from bnlit.callbacks.fertility import FertilityCheck
+
+    bn, en = _parallel(tmp_path)
+    assert FertilityCheck(parallel={"bn": str(bn), "en": str(en)}).parallel_texts["en"][0] == "I sing in Bangla."
+    assert FertilityCheck().parallel_texts is None  # off unless given
+    with pytest.raises(ConfigError, match=r"callbacks.fertility.parallel.bn: .*nope.txt does not exist"):
+        FertilityCheck(parallel={"bn": str(tmp_path / "nope.txt"), "en": str(en)})
+    short = tmp_path / "short.txt"
+    short.write_text("এক\nদুই\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"\{'bn': 2, 'en': 5\} lines .* same number of non-empty lines"):
+        FertilityCheck(parallel={"bn": str(short), "en": str(en)})
+    with pytest.raises(ConfigError, match=r"premium_band=\[1.2, 1.5\]"):
+        FertilityCheck(premium_band=[1.2, 1.5])
+
+
+def test_fertility_check_reports_the_parallel_premium(make_cfg, english_only, tmp_path):
+    """A tokenizer that never saw Bangla pays a premium far above the band: warned, logged, and
+    equal to the premium ``fertility.report`` computes on the same files."""
+    bn, en = _parallel(tmp_path)
+    path = english_only.save(tmp_path / "en.model")
+    cfg = make_cfg(f"tokenizer.path={path}", "callbacks.fertility.on_fail=warn", "trainer.max_steps=1", NO_TWIN,
+                   f"callbacks.fertility.parallel={{bn:'{bn}',en:'{en}'}}")
+    with pytest.warns(UserWarning) as record:
+        train(cfg)
+    premium = [str(w.message) for w in record if "tokenizer premium" in str(w.message)]
+    assert len(premium) == 1 and "under-serves bn" in premium[0] and "bn.txt" in premium[0]
+    want = fertility.report({"bn": [b for b, _ in PAIRS], "en": [e for _, e in PAIRS]}, english_only, parallel=True)
+    m = _metrics(tmp_path / "run")
+    assert m["tok/bn_parallel_premium"] == pytest.approx(want["bn"]["premium"]) and want["bn"]["premium"] > 1.25
+    assert m["tok/en_parallel_premium"] == 1.0
+    rows = json.loads((tmp_path / "run" / "tables" / "tok_fertility.json").read_text())["rows"]
+    assert rows[0][-1] == pytest.approx(want["bn"]["premium"])

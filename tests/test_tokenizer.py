@@ -135,3 +135,20 @@ def test_word_lines_follow_the_frequency_list():
     assert embedded.word_lines("bn", 0) == []
     with pytest.raises(Exception, match="word_frequencies.xx"):
         embedded.word_lines("xx", 1000)
+
+
+def test_training_survives_a_redrawing_progress_bar(tmp_path):
+    """tqdm's update() returns True when it redraws (every 0.5 s): the lines must still be text."""
+    import time
+
+    from bnlit import progress
+
+    def slow_docs():
+        for i, doc in enumerate(embedded.english_documents()[:12]):
+            if i in (1, 2):
+                time.sleep(0.6)
+            yield doc
+
+    assert progress.ENABLED
+    tok = Tokenizer(train_tokenizer(slow_docs(), tmp_path / "t.model", vocab_size=600))
+    assert tok.vocab_size == 600
