@@ -63,7 +63,8 @@ class LMModule(L.LightningModule):
     model: the transformer (``forward(idx, targets, mask) -> loss``; without targets, logits).
     optimizer: partial optimizer taking param groups (its ``weight_decay`` applies to matrices).
     scheduler: partial scheduler taking the optimizer, or None for a constant LR.
-    compile: ``torch.compile`` the model's forward, loss included (parameter names are kept).
+    compile: ``torch.compile`` the model's forward, loss included (parameter names are kept); under
+        FSDP2 each block is compiled before it is sharded (:func:`shard`).
     fullgraph: require a single graph when compiling.
     sdpa_backend: CUDA attention kernels (``bnlit.sdpa``): ``auto`` lets PyTorch pick; ignored on CPU.
     loss_impl: the output head's loss (``bnlit.loss``): ``plain``, ``chunked`` or ``fused`` (Liger, CUDA).
