@@ -88,6 +88,28 @@ def _fmt(v: Any) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
+def proof_of_learning(tables: Path) -> list[str]:
+    """Plain sentences from the random-twin table: per language, whether the trained model beat
+    the twin, the unigram and the bigram (``callbacks/random_twin.py``)."""
+    path = tables / "twin_table.json"
+    if not path.is_file():
+        return []
+    data = json.loads(path.read_text())
+    cols = data.get("columns", [])
+    out = ["## Proof of learning", "",
+           f"Held-out bits/char at step {data.get('step', '?')} against each baseline (lower is better):", ""]
+    for row in data.get("rows", []):
+        r = dict(zip(cols, row))
+        parts = []
+        for name in ("twin", "unigram", "bigram"):
+            if r.get(f"beat_{name}") is not None and r.get(f"{name}_bits_per_char") is not None:
+                verdict = "beat" if r[f"beat_{name}"] else "**did not beat**"
+                parts.append(f"{verdict} the {name} ({r[f'{name}_bits_per_char']:.3f})")
+        if parts:
+            out.append(f"- {r['language']}: trained {r['trained_bits_per_char']:.3f} bits/char; " + ", ".join(parts))
+    return out + [""] if len(out) > 4 else []
+
+
 def write_summary(run_dir: str | os.PathLike, metrics: Mapping[str, float] | None = None) -> Path:
     """Write ``summary.md`` and ``plots/*.png`` into ``run_dir``; returns the summary path."""
     run_dir = Path(run_dir)
@@ -104,6 +126,7 @@ def write_summary(run_dir: str | os.PathLike, metrics: Mapping[str, float] | Non
         lines += ["", "<details><summary>all final metrics</summary>", "", "| metric | value |", "|---|---|"]
         lines += [f"| `{k}` | {_fmt(v)} |" for k, v in sorted(final.items())]
         lines += ["", "</details>", ""]
+    lines += proof_of_learning(run_dir / "tables")
     plots = []
     for name, wanted in PLOTS.items():
         keys = sorted(k for k in series if wanted(k))

@@ -92,3 +92,21 @@ def test_save_load_and_shard_streams(tmp_path):
     streams = training_streams(tmp_path, index, eos_id=0)
     assert streams["bn"].tolist() == STREAM.tolist()
     assert streams["en"].tolist() == [0, 4, 0]
+
+
+def test_verdicts_and_summary_line():
+    from bnlit.evaluation import EvalResult
+    from bnlit.ngram import baseline_verdicts, beaten, summary_line
+
+    ln2 = math.log(2)
+    bpc = lambda b: EvalResult(b * ln2 * 100, 50, 100, 300)  # noqa: E731  (b bits/char over 100 chars)
+    base = {"twin": bpc(4.0), "unigram": bpc(3.2), "bigram": bpc(2.7)}
+    assert beaten(bpc(3.0), base) == {"twin": True, "unigram": True, "bigram": False}
+    assert summary_line("bn", bpc(3.0), base) == \
+        "bn: trained 3.000 bits/char; beat twin (4.000) yes, unigram (3.200) yes, bigram (2.700) NO"
+    only = {"bn": {"unigram": bpc(3.2), "bigram": bpc(2.7)}}
+    assert baseline_verdicts({"bn": bpc(3.0)}, only, step=500, learning_after_steps=100) == []
+    assert baseline_verdicts({"bn": bpc(3.5)}, only, step=50, learning_after_steps=100) == []
+    (msg,) = baseline_verdicts({"bn": bpc(3.5)}, only, step=100, learning_after_steps=100)
+    assert msg.startswith("baseline/bn: after 100 steps the trained model's 3.500 bits/char is not below "
+                          "the add-one unigram's 3.200")

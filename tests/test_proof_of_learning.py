@@ -64,7 +64,7 @@ def test_baselines_are_logged_saved_and_judged(healthy_run):
         assert r["beat_bigram"] == (r["trained_bits_per_char"] < r["bigram_bits_per_char"])
         assert r["beat_twin"] is True
     summary = (run / "summary.md").read_text()
-    assert "beat_bigram" in summary
+    assert "## Proof of learning" in summary and "the bigram (" in summary
 
 
 def test_dead_vocabulary_report_of_a_run(healthy_run):
@@ -133,3 +133,15 @@ def test_healthy_mixture_does_not_trip_the_starvation_alarm(make_cfg):
     assert "val/bn_loss" in metrics
     table = json.loads((Path(cfg.paths.output_dir) / "tables" / "starvation_table.json").read_text())
     assert [r[0] for r in table["rows"]] == ["bn", "en"] and all(r[-1] is None for r in table["rows"])
+
+
+def test_belebele_rows_are_read_as_cloze_items(tmp_path):
+    from bnlit.mc import load_items
+
+    row = {"flores_passage": "নদীর ধারে একটি গ্রাম। ", "question": "গ্রামটি কোথায়?", "mc_answer1": "পাহাড়ে",
+           "mc_answer2": "নদীর ধারে", "mc_answer3": "শহরে", "mc_answer4": "সমুদ্রে", "correct_answer_num": "2"}
+    path = tmp_path / "ben_Beng.jsonl"
+    path.write_text(json.dumps(row, ensure_ascii=False) + "\n", encoding="utf-8")
+    (item,) = load_items(path)
+    assert item.context == "নদীর ধারে একটি গ্রাম।\nQuestion: গ্রামটি কোথায়?\nAnswer:"
+    assert item.choices == [" পাহাড়ে", " নদীর ধারে", " শহরে", " সমুদ্রে"] and item.label == 1
