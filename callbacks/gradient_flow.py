@@ -1,6 +1,6 @@
 """``GradientFlowArbiter``: turn a parameter that silently stops learning into a named error.
 
-A thin adapter over :mod:`bnlit.gradflow`. At fit start it checks param-group membership; at the
+A thin adapter over :mod:`bnlit.gradient_flow`. At fit start it checks param-group membership; at the
 first optimizer step and then every ``every_n_steps`` it checks the gradients (in
 ``on_before_optimizer_step``: after the last micro-batch of an accumulated step, after AMP
 unscaling, before clipping), compares the fast path with an eager fp32 copy on the step's batch,
@@ -23,7 +23,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from bnlit.errors import BnlitError
-from bnlit.gradflow import (
+from bnlit.gradient_flow import (
     fast_path_parity,
     gradient_flow_report,
     param_group_report,

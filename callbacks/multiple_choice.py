@@ -2,8 +2,8 @@
 logged next to its chance baseline.
 
 Each task is a local JSONL file of ``{"context", "choices", "label"}`` (or Belebele's own fields,
-see :func:`bnlit.mc.load_items`), scored the way lm-eval-harness scores HellaSwag/PIQA/ARC
-(:func:`bnlit.mc.score_items`). Metrics: ``multiple_choice/<task>_acc_norm``, ``..._acc`` and
+see :func:`bnlit.multiple_choice.load_items`), scored the way lm-eval-harness scores HellaSwag/PIQA/ARC
+(:func:`bnlit.multiple_choice.score_items`). Metrics: ``multiple_choice/<task>_acc_norm``, ``..._acc`` and
 ``..._chance``. Scoring runs on global rank zero under ``fork_rng`` and ``no_grad`` and restores
 the model's mode, so training is untouched."""
 
@@ -17,7 +17,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 
 from bnlit.errors import ConfigError
-from bnlit.mc import load_items, score_items
+from bnlit.multiple_choice import load_items, score_items
 
 
 class MultipleChoiceEval(L.Callback):

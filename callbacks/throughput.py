@@ -1,6 +1,7 @@
-"""``MFUMonitor``: tokens/s, TFLOP/s, MFU, step time, data wait and peak memory of every run.
+"""``ThroughputMonitor``: tokens/s, TFLOP/s, MFU, step time, data wait and peak memory of every run.
 
-A thin adapter over :mod:`bnlit.perf` (named apart from Lightning's own ``ThroughputMonitor``).
+A thin adapter over :mod:`bnlit.throughput` (not Lightning's ``lightning.pytorch.callbacks.ThroughputMonitor``,
+which needs a per-batch FLOP count and logs no MFU floor).
 It reads the host clock at batch boundaries and never synchronises on those: on CUDA it syncs
 the device once per logging step, right before it reads the clock that closes the window, and
 calls ``pl_module.log`` only then (a Python float logged through Lightning becomes a device tensor,
@@ -36,7 +37,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from bnlit.errors import BnlitError
 from bnlit.flops import flops_per_token
-from bnlit.perf import Peak, StepTimer, resolve_peak, throughput_stats
+from bnlit.throughput import Peak, StepTimer, resolve_peak, throughput_stats
 
 log = logging.getLogger("bnlit")
 
@@ -68,7 +69,7 @@ def peak_memory_gib(device: torch.device) -> tuple[str, float]:
     return "memory/peak_rss_gib", rss / (2**30 if sys.platform == "darwin" else 2**20)
 
 
-class MFUMonitor(Callback):
+class ThroughputMonitor(Callback):
     """Args:
     window_steps: optimizer steps the rates are averaged over.
     log_every_n_steps: log (and sync CUDA) every this many optimizer steps; None: the Trainer's.
@@ -94,14 +95,14 @@ class MFUMonitor(Callback):
         clock: Callable[[], float] = time.perf_counter,
     ):
         if on_low_mfu not in ("warn", "raise"):
-            raise ValueError(f"callbacks.mfu.on_low_mfu={on_low_mfu!r}: use 'warn' or 'raise'")
+            raise ValueError(f"callbacks.throughput.on_low_mfu={on_low_mfu!r}: use 'warn' or 'raise'")
         for name, v in (("min_mfu_pct", min_mfu_pct), ("cpu_min_mfu_pct", cpu_min_mfu_pct)):
             if v is not None and not 0 < v <= 100:
-                raise ValueError(f"callbacks.mfu.{name}={v}: a percentage in (0, 100], or null to turn it off")
+                raise ValueError(f"callbacks.throughput.{name}={v}: a percentage in (0, 100], or null to turn it off")
         if log_every_n_steps is not None and log_every_n_steps < 1:
-            raise ValueError(f"callbacks.mfu.log_every_n_steps={log_every_n_steps}: must be >= 1 or null")
+            raise ValueError(f"callbacks.throughput.log_every_n_steps={log_every_n_steps}: must be >= 1 or null")
         if patience < 1 or warmup_steps < 0:
-            raise ValueError("callbacks.mfu: patience must be >= 1 and warmup_steps >= 0")
+            raise ValueError("callbacks.throughput: patience must be >= 1 and warmup_steps >= 0")
         self.timer = StepTimer(window_steps, clock)
         self.log_every_n_steps = log_every_n_steps
         self.min_mfu_pct, self.cpu_min_mfu_pct = min_mfu_pct, cpu_min_mfu_pct
@@ -125,7 +126,7 @@ class MFUMonitor(Callback):
         self.peak = resolve_peak(device, precision_dtype(trainer.precision), override)
         self._config = getattr(getattr(pl_module, "model", None), "config", None)
         if self._config is None:
-            rank_zero_warn("MFUMonitor: pl_module.model has no .config; logging tokens/s without TFLOP/s or MFU")
+            rank_zero_warn("ThroughputMonitor: pl_module.model has no .config; logging tokens/s without TFLOP/s or MFU")
         self._last_global_step = trainer.global_step
         self.timer.pause()
         floor = self.floor(device)
@@ -201,7 +202,7 @@ class MFUMonitor(Callback):
             f"({stats['tokens_per_s']:,.0f} tokens/s, {stats['step_ms']:.1f} ms/step, "
             f"{stats['data_wait_pct']:.1f}% waiting for data) against the {self.peak.describe()}. "
             "Check trainer.precision (bf16-mixed), module.compile, module.sdpa_backend=flash, "
-            "optimizer.fused, data.num_workers and the micro-batch size; or lower callbacks.mfu.min_mfu_pct"
+            "optimizer.fused, data.num_workers and the micro-batch size; or lower callbacks.throughput.min_mfu_pct"
         )
         if self.on_low_mfu == "raise":
             raise LowMFUError(message)

@@ -44,17 +44,17 @@ from bnlit import CONF_DIR
 from bnlit.data.dataset import PackedWindows
 from bnlit.flops import flops_per_token
 from bnlit.module import next_token_loss, param_groups
-from bnlit.perf import resolve_peak
+from bnlit.throughput import resolve_peak
 from bnlit.train import instantiate_group
 
 
 def arbiter_available() -> tuple[bool, str | None]:
-    """Whether ``callbacks.gradient_flow.GradientFlowArbiter`` can be imported (imported lazily:
+    """Whether ``bnlit.callbacks.gradient_flow.GradientFlowArbiter`` can be imported (imported lazily:
     the benchmark runs without it)."""
     try:
-        from callbacks.gradient_flow import GradientFlowArbiter  # noqa: F401
+        from bnlit.callbacks.gradient_flow import GradientFlowArbiter  # noqa: F401
     except ImportError as e:
-        return False, f"callbacks.gradient_flow.GradientFlowArbiter not importable ({e}); arbiter figures are null"
+        return False, f"bnlit.callbacks.gradient_flow.GradientFlowArbiter not importable ({e}); arbiter figures are null"
     return True, None
 
 
@@ -106,7 +106,7 @@ def lightning_run(cfg: DictConfig, datamodule, warmup: int, steps: int, train_da
     loggers = instantiate_group(cfg.get("logger"))
     trainer: L.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
     trainer.fit(module, datamodule=datamodule, train_dataloaders=train_dataloaders)
-    mfu = next((c for c in callbacks if type(c).__name__ == "MFUMonitor"), None)
+    mfu = next((c for c in callbacks if type(c).__name__ == "ThroughputMonitor"), None)
     return {"tokens_per_s": clock.tokens_per_s, "monitor": dict(mfu.last) if mfu else {}}
 
 
@@ -230,7 +230,7 @@ def cuda_bench(args, run_root: Path) -> dict:
                      f"callbacks.model_checkpoint.every_n_train_steps={10 * total}",
                      # both read the tokenizer and held-out text of a data module; this one is random tokens
                      "~callbacks.fertility", "~callbacks.random_twin",
-                     f"callbacks.mfu.warmup_steps={args.warmup}",
+                     f"callbacks.throughput.warmup_steps={args.warmup}",
                      *([] if have_arbiter else ["~callbacks.gradient_flow"]),
                      # the eager fp32 parity probe with math attention at this size needs far more
                      # memory than training; --parity turns it back on

@@ -3,7 +3,7 @@ twin and the run's unigram and bigram baselines, each with the contamination of 
 training data; optionally multiple-choice accuracy (lm-eval-harness ``acc_norm`` scoring).
 
     python scripts/evaluate.py --checkpoint CKPT --text bn=FILE --text en=FILE [--json]
-                               [--twin/--no-twin] [--mc FILE] [--run-dir DIR] [--no-contamination]
+                               [--twin/--no-twin] [--multiple-choice FILE] [--run-dir DIR] [--no-contamination]
 
 A ``.txt`` file is one document per blank-line separated paragraph, a ``.jsonl`` file one
 ``{"text": ...}`` per line. Every document token and one end-of-document token per document are
@@ -13,7 +13,7 @@ The run directory (default: the checkpoint's ``<run dir>/checkpoints/..``) suppl
 training text the contamination is measured against: the share of the file's distinct 13-word
 n-grams found in training (``ngram_rate``) and of its documents contaminated by the run's
 decontamination rule (``contamination_rate``). ``--json`` prints one JSON object keyed by
-language, with top-level ``vocab_size`` (and ``mc`` when asked).
+language, with top-level ``vocab_size`` (and ``multiple_choice`` when asked).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from bnlit.errors import BnlitError, ConfigError
 from bnlit.evaluation import EvalResult, evaluate_stream, read_documents, token_stream, twin_model
 from bnlit.ngram import BASELINES, NgramCounts, count_languages, load_baselines, training_streams
 
-RESERVED = ("vocab_size", "ln_vocab", "checkpoint", "step", "seq_len", "mc", "run_dir", "baselines")
+RESERVED = ("vocab_size", "ln_vocab", "checkpoint", "step", "seq_len", "multiple_choice", "run_dir", "baselines")
 FIELDS = ("nll_per_token", "perplexity", "bits_per_char", "bits_per_byte")
 BASELINE_FIELDS = ("nll_per_token", "bits_per_char", "bits_per_byte")
 
@@ -103,8 +103,8 @@ def score(model, stream, seq_len: int, batch_size: int, device, chars: int, nbyt
 
 def evaluate(args: argparse.Namespace) -> dict:
     texts = parse_text(args.text or [])
-    if not texts and not args.mc:
-        raise ConfigError("nothing to evaluate: pass --text LANG=FILE and/or --mc FILE")
+    if not texts and not args.multiple_choice:
+        raise ConfigError("nothing to evaluate: pass --text LANG=FILE and/or --multiple-choice FILE")
     docs = {lang: read_documents(path) for lang, path in texts.items()}
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model, tok, ckpt = load_model(args.checkpoint)
@@ -138,18 +138,18 @@ def evaluate(args: argparse.Namespace) -> dict:
         if args.contamination:
             row["contamination"] = contamination(d, run_dir, f"--text {lang}")
         out[lang] = row
-    if args.mc:
-        from bnlit.mc import load_items, score_items
+    if args.multiple_choice:
+        from bnlit.multiple_choice import load_items, score_items
 
-        items = load_items(args.mc)
-        mc = score_items(model, tok, items, seq_len)
-        mc.pop("predictions")
+        items = load_items(args.multiple_choice)
+        scores = score_items(model, tok, items, seq_len)
+        scores.pop("predictions")
         if twin is not None:
-            mc["twin_acc_norm"] = score_items(twin, tok, items, seq_len)["acc_norm"]
-        out["mc"] = {"file": str(args.mc), **mc}
+            scores["twin_acc_norm"] = score_items(twin, tok, items, seq_len)["acc_norm"]
+        out["multiple_choice"] = {"file": str(args.multiple_choice), **scores}
         if args.contamination:
-            out["mc"]["contamination"] = contamination([f"{it.context} {it.choices[it.label]}" for it in items],
-                                                       run_dir, "--mc")
+            out["multiple_choice"]["contamination"] = contamination(
+                [f"{it.context} {it.choices[it.label]}" for it in items], run_dir, "--multiple-choice")
     return out
 
 
@@ -182,8 +182,8 @@ def format_report(res: dict) -> str:
                 lines.append(f"{lang:<6}learned context (bigram - trained bits/char): {r['learned_context']:+.4f}")
         if res["baselines"]:
             lines.append(f"baselines: {res['baselines']}")
-    if "mc" in res:
-        m = res["mc"]
+    if "multiple_choice" in res:
+        m = res["multiple_choice"]
         lines.append(f"multiple choice {m['file']}: {m['n']} items, acc_norm {m['acc_norm']:.3f}, acc {m['acc']:.3f}, "
                      f"chance {m['chance']:.3f}" + (f", twin acc_norm {m['twin_acc_norm']:.3f}" if "twin_acc_norm" in m else "")
                      + (f"; {contamination_note(m['contamination'])}" if "contamination" in m else ""))
@@ -198,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--twin", action=argparse.BooleanOptionalAction, default=True,
                    help="also score a randomly initialised twin (default: on)")
     p.add_argument("--twin-seed", type=int, default=1234)
-    p.add_argument("--mc", type=Path, help='multiple-choice JSONL: {"context", "choices", "label"} per line')
+    p.add_argument("--multiple-choice", type=Path, help='multiple-choice JSONL: {"context", "choices", "label"} per line')
     p.add_argument("--seq-len", type=int, help="window length (default: the training seq_len)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--run-dir", type=Path, help="the training run (default: the checkpoint's run directory)")

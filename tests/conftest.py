@@ -14,6 +14,12 @@ from omegaconf import DictConfig, open_dict
 import bnlit.resolvers  # noqa: F401
 from bnlit import CONF_DIR
 
+try:
+    import bnlit.callbacks  # noqa: F401  (top-level callbacks/, installed as bnlit.callbacks)
+except ModuleNotFoundError:
+    pytest.exit("bnlit.callbacks is not importable: an editable install made before callbacks/ became "
+                "bnlit.callbacks; rerun `pip install --no-deps -e .`", returncode=4)
+
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 # tiny, fast and still real: the embedded corpus cut to a few hundred thousand characters

@@ -43,3 +43,16 @@ def test_multinode_keeps_the_global_batch(make_cfg):
     world = cfg.trainer.devices * cfg.trainer.num_nodes
     assert cfg.trainer.strategy == "ddp"
     assert world * cfg.data.batch_size * cfg.trainer.accumulate_grad_batches * cfg.data.seq_len == 1 << 20
+
+
+def test_pyproject_installs_every_package():
+    """The explicit package list in pyproject.toml (needed for the callbacks/ -> bnlit.callbacks
+    mapping) names every package directory, so a new subpackage is never left out of a wheel."""
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    setup = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    on_disk = {".".join(p.parent.relative_to(root).parts) for p in (root / "bnlit").rglob("__init__.py")}
+    on_disk |= {"bnlit.callbacks"} if (root / "callbacks" / "__init__.py").is_file() else set()
+    assert set(setup["packages"]) == on_disk
+    assert setup["package-dir"] == {"bnlit.callbacks": "callbacks"}

@@ -1,4 +1,4 @@
-"""bnlit.evaluation, bnlit.mc and the RandomTwinNLL callback."""
+"""bnlit.evaluation, bnlit.multiple_choice and the RandomTwinNLL callback."""
 
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ from omegaconf import OmegaConf
 from bnlit import CONF_DIR
 from bnlit.evaluation import (EvalResult, NLLSum, evaluate_documents, evaluate_stream, token_stream, twin_model,
                               uniform_nll, windows)
-from bnlit.mc import MCItem, continuation_logprob, encode_pair, load_items, score_items
+from bnlit.multiple_choice import MultipleChoiceItem, continuation_logprob, encode_pair, load_items, score_items
 from bnlit.model import ModelConfig, Transformer
 from bnlit.train import train
-from callbacks.random_twin import RandomTwinNLL, documents_prefix, text_size, twin_verdicts
+from bnlit.callbacks.random_twin import RandomTwinNLL, documents_prefix, text_size, twin_verdicts
 
 FIXTURES = Path(__file__).parent / "fixtures"
 SMALL = ModelConfig(name="t", vocab_size=128, dim=32, n_layer=2, n_head=4, n_kv_heads=2, multiple_of=32,
@@ -215,7 +215,7 @@ def test_callback_leaves_training_bit_identical_and_trained_beats_twin(make_cfg,
 def test_load_items_reads_the_fixture_and_rejects_a_bad_line(tmp_path):
     from bnlit.errors import DataError
 
-    items = load_items(FIXTURES / "mc_small.jsonl")
+    items = load_items(FIXTURES / "multiple_choice_small.jsonl")
     assert len(items) == 24 and all(0 <= it.label < len(it.choices) for it in items)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"context": "a", "choices": ["b", "c"], "label": 0}\n{"context": "a", "choices": ["b"], "label": 3}\n')
@@ -234,7 +234,7 @@ def test_score_is_the_length_normalised_continuation_loglik():
         logp = F.log_softmax(model(torch.tensor(ids[:-1])[None])[0], -1)
     ref = sum(logp[len(ctx) + i, t].item() for i, t in enumerate(cont))
     assert continuation_logprob(model, ctx, cont, tok.eos_id, max_len=64) == pytest.approx(ref, rel=1e-5)
-    item = MCItem("The cat ", ["sat.", "ran off to the garden.", "a"], 0)
+    item = MultipleChoiceItem("The cat ", ["sat.", "ran off to the garden.", "a"], 0)
     lls = [continuation_logprob(model, *encode_pair(tok, item.context, c), tok.eos_id, 64) for c in item.choices]
     norm = [ll / len(c) for ll, c in zip(lls, item.choices)]
     model.train()
@@ -249,7 +249,7 @@ def _train_to_prefer(items, labels, steps=100):
     """A small model fitted to ``context + choices[label]`` of every item (one padded batch)."""
     tok = CharTokenizer()
     torch.manual_seed(0)
-    model = Transformer(ModelConfig(name="mc", vocab_size=128, dim=64, n_layer=2, n_head=4, multiple_of=32,
+    model = Transformer(ModelConfig(name="multiple_choice", vocab_size=128, dim=64, n_layer=2, n_head=4, multiple_of=32,
                                     max_seq_len=128, tie_embeddings=True))
     seqs = [torch.as_tensor(token_stream([tok.encode(it.context + it.choices[k])], tok.eos_id))
             for it, k in zip(items, labels)]
@@ -268,14 +268,14 @@ def _train_to_prefer(items, labels, steps=100):
 
 
 @pytest.mark.slow
-def test_mc_scorer_picks_the_planted_answer():
-    items = load_items(FIXTURES / "mc_small.jsonl")[:8]
+def test_multiple_choice_scorer_picks_the_planted_answer():
+    items = load_items(FIXTURES / "multiple_choice_small.jsonl")[:8]
     planted = [(it.label + 1) % len(it.choices) for it in items]  # the wrong answer, on purpose
     model, tok = _train_to_prefer(items, planted)
     out = score_items(model, tok, items, max_len=128)
     assert out["predictions"] == planted
     assert out["acc_norm"] == 0.0 and out["chance"] == pytest.approx(1 / 3)
-    relabelled = [MCItem(it.context, it.choices, k) for it, k in zip(items, planted)]
+    relabelled = [MultipleChoiceItem(it.context, it.choices, k) for it, k in zip(items, planted)]
     assert score_items(model, tok, relabelled, max_len=128)["acc_norm"] == 1.0
 
 

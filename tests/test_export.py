@@ -36,7 +36,7 @@ def script(name: str):
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory) -> Tokenizer:
-    items = [json.loads(line) for line in (FIXTURES / "mc_small.jsonl").read_text().splitlines()]
+    items = [json.loads(line) for line in (FIXTURES / "multiple_choice_small.jsonl").read_text().splitlines()]
     texts = [it["context"] + c for it in items for c in it["choices"]] * 3
     texts += ["আমি বাংলায় গান গাই। আমার সোনার বাংলা, আমি তোমায় ভালোবাসি।", "১২৩৪৫৬৭৮৯০ ক খ গ ঘ ঙ য় ড় ঢ়"] * 20
     return Tokenizer(train_tokenizer(texts, tmp_path_factory.mktemp("tok") / "t.model", vocab_size=512, num_threads=1))
@@ -173,7 +173,7 @@ def test_clis_on_a_trained_checkpoint(make_cfg, tmp_path, capsys):
     bn.write_text("আমার সোনার বাংলা, আমি তোমায় ভালোবাসি।\n\nচিরদিন তোমার আকাশ, তোমার বাতাস।\n", encoding="utf-8")
     en.write_text(json.dumps({"text": "The quick brown fox jumps over the lazy dog."}) + "\n")
     assert script("evaluate").main(["--checkpoint", str(ckpt), "--text", f"bn={bn}", "--text", f"en={en}",
-                                    "--mc", str(FIXTURES / "mc_small.jsonl"), "--json"]) == 0
+                                    "--multiple-choice", str(FIXTURES / "multiple_choice_small.jsonl"), "--json"]) == 0
     res = json.loads(capsys.readouterr().out)
     assert res["vocab_size"] == 1024 and res["bn"]["documents"] == 2 and res["en"]["documents"] == 1
     docs = ["আমার সোনার বাংলা, আমি তোমায় ভালোবাসি।", "চিরদিন তোমার আকাশ, তোমার বাতাস।"]
@@ -186,7 +186,7 @@ def test_clis_on_a_trained_checkpoint(make_cfg, tmp_path, capsys):
         assert abs(r["twin_nll_per_token"] / math.log(1024) - 1) < 0.15
     assert res["en"]["bits_per_byte"] == res["en"]["bits_per_char"]  # ASCII: one byte per character
     assert res["bn"]["bits_per_byte"] < res["bn"]["bits_per_char"] / 2.5  # Bangla: three bytes per letter
-    assert res["mc"]["n"] == 24 and 0 <= res["mc"]["acc_norm"] <= 1 and res["mc"]["chance"] == pytest.approx(1 / 3)
+    assert res["multiple_choice"]["n"] == 24 and 0 <= res["multiple_choice"]["acc_norm"] <= 1 and res["multiple_choice"]["chance"] == pytest.approx(1 / 3)
     assert script("evaluate").main(["--checkpoint", str(ckpt), "--text", f"bn={bn}", "--no-twin"]) == 0
     text = capsys.readouterr().out
     assert "bits/char" in text and "twin" not in text.splitlines()[1]

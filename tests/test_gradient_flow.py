@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from bnlit.gradflow import (
+from bnlit.gradient_flow import (
     compare_gradients,
     eager_fp32_copy,
     fast_path_parity,
@@ -31,7 +31,7 @@ from bnlit.gradflow import (
 from bnlit.model import ModelConfig, Transformer
 from bnlit.module import LMModule, next_token_loss, param_groups
 from bnlit.train import train
-from callbacks.gradient_flow import GradientFlowArbiter, GradientFlowError
+from bnlit.callbacks.gradient_flow import GradientFlowArbiter, GradientFlowError
 
 VOCAB = 96
 ALL_OK = dict(missing=[], nonfinite=[], zero=[])
@@ -452,7 +452,7 @@ def test_arguments_are_validated():
 
 def test_default_run_logs_the_verdict_and_writes_the_report(make_cfg, caplog):
     cfg = make_cfg()
-    assert cfg.callbacks.gradient_flow._target_ == "callbacks.gradient_flow.GradientFlowArbiter"
+    assert cfg.callbacks.gradient_flow._target_ == "bnlit.callbacks.gradient_flow.GradientFlowArbiter"
     with caplog.at_level(logging.INFO, logger="bnlit"):
         train(cfg)
     n = len(list(tiny().parameters()))
@@ -496,7 +496,7 @@ WORKER = textwrap.dedent('''
     sys.path.insert(0, sys.argv[2])
     from test_gradient_flow import RandomTokens, tiny
     from bnlit.module import LMModule
-    from callbacks.gradient_flow import GradientFlowArbiter, GradientFlowError
+    from bnlit.callbacks.gradient_flow import GradientFlowArbiter, GradientFlowError
 
     class NaNOnRank1(L.Callback):
         """After DDP's all-reduce, corrupt one element of one gradient on rank 1 only."""

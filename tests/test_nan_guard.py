@@ -15,7 +15,7 @@ import torch
 
 from bnlit.guard import DivergenceError, SkipBudget, SpikeTracker, verdict
 from bnlit.train import train
-from callbacks.nan_guard import NaNGuard
+from bnlit.callbacks.nan_guard import NaNGuard
 
 
 class Poison(L.Callback):

@@ -40,7 +40,7 @@ def healthy_run(tmp_path_factory, cache_dir):
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("train", overrides=[*TINY, "trainer.max_steps=8", "callbacks.random_twin.max_tokens=2000",
                                           "callbacks.random_twin.learning_after_steps=4",
-                                          f"+callbacks.multiple_choice.tasks.small={FIXTURES / 'mc_small.jsonl'}"])
+                                          f"+callbacks.multiple_choice.tasks.small={FIXTURES / 'multiple_choice_small.jsonl'}"])
     with open_dict(cfg):
         cfg.paths.output_dir = str(run)
         cfg.paths.cache_dir = str(cache_dir)
@@ -136,7 +136,7 @@ def test_healthy_mixture_does_not_trip_the_starvation_alarm(make_cfg):
 
 
 def test_belebele_rows_are_read_as_cloze_items(tmp_path):
-    from bnlit.mc import load_items
+    from bnlit.multiple_choice import load_items
 
     row = {"flores_passage": "নদীর ধারে একটি গ্রাম। ", "question": "গ্রামটি কোথায়?", "mc_answer1": "পাহাড়ে",
            "mc_answer2": "নদীর ধারে", "mc_answer3": "শহরে", "mc_answer4": "সমুদ্রে", "correct_answer_num": "2"}

@@ -15,7 +15,7 @@ from bnlit import CONF_DIR
 from bnlit.flops import flops_per_token
 from bnlit.model import ModelConfig, Transformer
 from bnlit.module import LMModule
-from bnlit.perf import (
+from bnlit.throughput import (
     UNKNOWN,
     PEAKS,
     StepRecord,
@@ -26,7 +26,7 @@ from bnlit.perf import (
     throughput_stats,
 )
 from bnlit.train import train
-from callbacks.throughput import LowMFUError, MFUMonitor, precision_dtype
+from bnlit.callbacks.throughput import LowMFUError, ThroughputMonitor, precision_dtype
 
 # real torch.cuda.get_device_name() strings
 DEVICE_NAMES = [
@@ -150,7 +150,7 @@ class Advance(L.Callback):
         self.clock.t += self.work(trainer.global_step)
 
 
-class Recording(MFUMonitor):
+class Recording(ThroughputMonitor):
     def __init__(self, **kw):
         super().__init__(**kw)
         self.reports: list[tuple[int, dict]] = []
@@ -160,7 +160,7 @@ class Recording(MFUMonitor):
         self.reports.append((step, dict(self.last)))
 
 
-def fit(monitor: MFUMonitor, clock: FakeClock, steps: int, work=lambda step: WORK, log_every_n_steps: int = 1):
+def fit(monitor: ThroughputMonitor, clock: FakeClock, steps: int, work=lambda step: WORK, log_every_n_steps: int = 1):
     torch.manual_seed(0)
     data = torch.randint(0, CFG.vocab_size, (B * steps, T + 1))
     loader = DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=B)
@@ -215,7 +215,7 @@ def _peak_for(mfu_pct: float) -> float:
 
 def test_mfu_floor_raises_on_a_deliberately_slowed_step():
     clock = FakeClock()
-    monitor = MFUMonitor(window_steps=1, log_every_n_steps=1, cpu_min_mfu_pct=20.0, warmup_steps=3,
+    monitor = ThroughputMonitor(window_steps=1, log_every_n_steps=1, cpu_min_mfu_pct=20.0, warmup_steps=3,
                          on_low_mfu="raise", peak_tflops=_peak_for(50.0), clock=clock)
     with pytest.raises(LowMFUError, match=r"MFU 5\.00% is below the floor of 20% at step 5"):
         fit(monitor, clock, steps=8, work=lambda step: 10 * (WAIT + WORK) - WAIT if step == 5 else WORK)
@@ -223,11 +223,11 @@ def test_mfu_floor_raises_on_a_deliberately_slowed_step():
 
 def test_mfu_floor_is_quiet_at_full_speed_and_warns_when_asked():
     clock = FakeClock()
-    quiet = MFUMonitor(window_steps=1, log_every_n_steps=1, cpu_min_mfu_pct=20.0, warmup_steps=3,
+    quiet = ThroughputMonitor(window_steps=1, log_every_n_steps=1, cpu_min_mfu_pct=20.0, warmup_steps=3,
                        on_low_mfu="raise", peak_tflops=_peak_for(50.0), clock=clock)
     fit(quiet, clock, steps=6)  # 50% MFU throughout: no error
     clock = FakeClock()
-    warn = MFUMonitor(window_steps=1, log_every_n_steps=1, cpu_min_mfu_pct=20.0, warmup_steps=3,
+    warn = ThroughputMonitor(window_steps=1, log_every_n_steps=1, cpu_min_mfu_pct=20.0, warmup_steps=3,
                       on_low_mfu="warn", peak_tflops=_peak_for(10.0), clock=clock)
     with pytest.warns(UserWarning, match="below the floor of 20%"):
         fit(warn, clock, steps=5)
@@ -235,11 +235,11 @@ def test_mfu_floor_is_quiet_at_full_speed_and_warns_when_asked():
 
 def test_mfu_floor_waits_for_warmup_and_is_off_on_cpu_by_default():
     clock = FakeClock()
-    monitor = MFUMonitor(window_steps=1, log_every_n_steps=1, cpu_min_mfu_pct=20.0, warmup_steps=100,
+    monitor = ThroughputMonitor(window_steps=1, log_every_n_steps=1, cpu_min_mfu_pct=20.0, warmup_steps=100,
                          on_low_mfu="raise", peak_tflops=_peak_for(1.0), clock=clock)
     fit(monitor, clock, steps=4)  # 1% MFU, but still warming up
     clock = FakeClock()
-    fit(MFUMonitor(window_steps=1, log_every_n_steps=1, warmup_steps=0, on_low_mfu="raise",
+    fit(ThroughputMonitor(window_steps=1, log_every_n_steps=1, warmup_steps=0, on_low_mfu="raise",
                    peak_tflops=_peak_for(1.0), clock=clock), clock, steps=4)  # the 20% GPU floor: not on CPU
 
 
@@ -247,7 +247,7 @@ def test_bad_arguments_are_refused():
     for kw in ({"on_low_mfu": "explode"}, {"min_mfu_pct": 0.0}, {"cpu_min_mfu_pct": 150}, {"log_every_n_steps": 0},
                {"patience": 0}, {"window_steps": 0}):
         with pytest.raises(ValueError):
-            MFUMonitor(**kw)
+            ThroughputMonitor(**kw)
 
 
 # ---- wiring ------------------------------------------------------------------------------------------
@@ -255,7 +255,7 @@ def test_bad_arguments_are_refused():
 
 def test_default_run_logs_perf_and_memory(make_cfg, tmp_path):
     cfg = make_cfg()
-    assert cfg.callbacks.mfu._target_ == "callbacks.throughput.MFUMonitor"
+    assert cfg.callbacks.throughput._target_ == "bnlit.callbacks.throughput.ThroughputMonitor"
     metrics = train(cfg)
     for k in ("perf/tokens_per_s", "perf/samples_per_s", "perf/tflops", "perf/mfu", "perf/step_ms",
               "perf/data_wait_pct", "memory/peak_rss_gib"):
@@ -273,7 +273,7 @@ def test_h100_config_is_the_fast_path():
     assert cfg.module.compile and cfg.module.fullgraph and cfg.module.sdpa_backend == "flash"
     assert cfg.optimizer.fused is True
     assert cfg.data.pin_memory and cfg.data.num_workers > 0 and cfg.data.prefetch_factor >= 2
-    assert cfg.data.seq_len == 2048 and cfg.callbacks.mfu.min_mfu_pct == 20.0
+    assert cfg.data.seq_len == 2048 and cfg.callbacks.throughput.min_mfu_pct == 20.0
 
 
 @pytest.mark.parametrize("activation_checkpointing", [False, True])

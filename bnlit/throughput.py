@@ -5,7 +5,7 @@ model FLOPs per token come from :func:`bnlit.flops.flops_per_token`, the peak fr
 **dense** bf16 tensor-core figures (the datasheets print the 2:4-sparse figure first; the dense one
 is half of it). A device the table does not know, and the CPU, are measured instead: the best
 rate of a large matmul in the training dtype, labelled ``measured`` wherever it is reported.
-Nothing here touches a Trainer; :mod:`callbacks.throughput` is the adapter.
+Nothing here touches a Trainer; :mod:`bnlit.callbacks.throughput` is the adapter.
 """
 
 from __future__ import annotations

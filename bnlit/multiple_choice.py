@@ -29,13 +29,13 @@ from bnlit.errors import DataError
 
 
 @dataclass
-class MCItem:
+class MultipleChoiceItem:
     context: str
     choices: list[str]
     label: int
 
 
-def load_items(path: str | os.PathLike) -> list[MCItem]:
+def load_items(path: str | os.PathLike) -> list[MultipleChoiceItem]:
     """Read and validate a multiple-choice JSONL file."""
     path = Path(path)
     if not path.is_file():
@@ -48,7 +48,7 @@ def load_items(path: str | os.PathLike) -> list[MCItem]:
         try:
             row = json.loads(line)
             item = belebele_item(row) if "flores_passage" in row else \
-                MCItem(str(row["context"]), [str(c) for c in row["choices"]], int(row["label"]))
+                MultipleChoiceItem(str(row["context"]), [str(c) for c in row["choices"]], int(row["label"]))
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
             raise DataError(f"{path}:{n}: not a {{\"context\", \"choices\", \"label\"}} object ({e}); fix that line") from None
         if len(item.choices) < 2 or not 0 <= item.label < len(item.choices) or not all(item.choices):
@@ -60,12 +60,12 @@ def load_items(path: str | os.PathLike) -> list[MCItem]:
     return items
 
 
-def belebele_item(row: dict) -> MCItem:
+def belebele_item(row: dict) -> MultipleChoiceItem:
     """A Belebele row as a cloze item: ``{passage}\\nQuestion: {question}\\nAnswer:`` followed by
     each of the four answers (after a space); ``correct_answer_num`` counts from 1."""
     context = f"{row['flores_passage'].strip()}\nQuestion: {row['question'].strip()}\nAnswer:"
     choices = [" " + str(row[f"mc_answer{i}"]).strip() for i in range(1, 5)]
-    return MCItem(context, choices, int(row["correct_answer_num"]) - 1)
+    return MultipleChoiceItem(context, choices, int(row["correct_answer_num"]) - 1)
 
 
 def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
@@ -94,7 +94,7 @@ def continuation_logprob(model: nn.Module, context_ids: list[int], continuation_
     return float(logp[-n:].gather(1, targets[:, None]).sum())
 
 
-def score_items(model: nn.Module, tokenizer, items: list[MCItem], max_len: int) -> dict:
+def score_items(model: nn.Module, tokenizer, items: list[MultipleChoiceItem], max_len: int) -> dict:
     """``acc`` (sum log-likelihood), ``acc_norm`` (per character of the choice), ``chance`` (mean
     of 1/#choices) and the per-item predictions. The model's mode is restored afterwards."""
     was_training = model.training
