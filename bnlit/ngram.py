@@ -159,6 +159,45 @@ def count_languages(streams: dict[str, np.ndarray], vocab_size: int) -> dict[str
     return {lang: NgramCounts.from_stream(s, vocab_size) for lang, s in streams.items()}
 
 
+def _merge(keys: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    order = np.argsort(keys, kind="stable")
+    keys, counts = keys[order], counts[order]
+    starts = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]]) if keys.size else np.zeros(0, dtype=np.int64)
+    return keys[starts], np.add.reduceat(counts, starts) if keys.size else counts
+
+
+def count_shards(shard_dir: str | os.PathLike, index: dict, eos_id: int, vocab_size: int,
+                 chunk_tokens: int = 1 << 24, max_tokens: int | None = None) -> dict[str, NgramCounts]:
+    """:func:`count_languages` of :func:`training_streams` without holding a language's stream in
+    memory: the memory-mapped shards are read in chunks of ``chunk_tokens`` (each chunk's first
+    pair joins it to the previous token) and the distinct pairs are merged as they come. With
+    ``max_tokens``, each language counts only its first ``max_tokens`` training tokens."""
+    from bnlit.data.shards import read_tokens
+
+    V = vocab_size
+    out: dict[str, NgramCounts] = {}
+    state: dict[str, dict] = {}
+    for name, entry in index["sources"].items():
+        lang = entry["language"]
+        st = state.setdefault(lang, {"prev": eos_id, "seen": 0, "uni": np.zeros(V, dtype=np.int64),
+                                     "keys": np.zeros(0, dtype=np.int64), "counts": np.zeros(0, dtype=np.int64)})
+        tokens = read_tokens(shard_dir, index, name, "train")
+        for start in range(0, len(tokens), chunk_tokens):
+            left = None if max_tokens is None else max_tokens - st["seen"]
+            if left is not None and left <= 0:
+                break
+            chunk = np.asarray(tokens[start:start + (chunk_tokens if left is None else min(chunk_tokens, left))],
+                               dtype=np.int64)
+            s = np.concatenate([[st["prev"]], chunk])
+            st["uni"] += np.bincount(chunk, minlength=V)
+            k, c = np.unique(s[:-1] * V + s[1:], return_counts=True)
+            st["keys"], st["counts"] = _merge(np.concatenate([st["keys"], k]), np.concatenate([st["counts"], c]))
+            st["prev"], st["seen"] = int(chunk[-1]), st["seen"] + chunk.size
+    for lang, st in state.items():
+        out[lang] = NgramCounts(V, st["uni"], st["keys"], st["counts"].astype(np.int64))
+    return out
+
+
 def baseline_path(run_dir: str | os.PathLike, lang: str) -> Path:
     return Path(run_dir) / BASELINE_DIR / f"ngram_{lang}.npz"
 

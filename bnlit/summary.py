@@ -27,6 +27,8 @@ PLOTS = {
     "mfu": lambda k: k == "perf/mfu",
     "fertility": lambda k: k.startswith("tok/") and k.endswith("chars_per_token"),
     "twin_gap": lambda k: k.startswith("twin/") and "gap" in k,
+    # bigram minus trained bits/char per language: above zero once the model beats the bigram
+    "learned_context": lambda k: k.startswith("learned_context/"),
 }
 
 

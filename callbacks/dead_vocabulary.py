@@ -17,18 +17,24 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from bnlit.dead_vocabulary import dead_vocabulary, format_report
 from bnlit.errors import ConfigError
-from bnlit.ngram import training_streams
 from bnlit.reporting import log_table, run_dir, write_json_atomic
 
 log = logging.getLogger(__name__)
 REPORT_FILE = "dead_vocabulary.json"
 
 
-def training_counts(datamodule) -> dict[str, np.ndarray]:
-    """Per language, how often each token id occurs in the training shards."""
+def training_counts(datamodule, chunk_tokens: int = 1 << 24) -> dict[str, np.ndarray]:
+    """Per language, how often each token id occurs in the training shards (read in chunks)."""
+    from bnlit.data.shards import read_tokens
+
     V = datamodule.tokenizer.vocab_size
-    streams = training_streams(datamodule.shard_dir, datamodule.index, datamodule.tokenizer.eos_id)
-    return {lang: np.bincount(s[1:], minlength=V) for lang, s in streams.items()}
+    out: dict[str, np.ndarray] = {}
+    for name, entry in datamodule.index["sources"].items():
+        counts = out.setdefault(entry["language"], np.zeros(V, dtype=np.int64))
+        tokens = read_tokens(datamodule.shard_dir, datamodule.index, name, "train")
+        for start in range(0, len(tokens), chunk_tokens):
+            counts += np.bincount(np.asarray(tokens[start:start + chunk_tokens], dtype=np.int64), minlength=V)
+    return out
 
 
 class DeadVocabulary(L.Callback):

@@ -34,7 +34,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from bnlit.errors import ConfigError
 from bnlit.evaluation import EvalResult, NLLSum, evaluate_stream, twin_model, uniform_nll
-from bnlit.ngram import BASELINES, baseline_verdicts, beaten, count_languages, save_baselines, summary_line, training_streams
+from bnlit.ngram import BASELINES, baseline_verdicts, beaten, count_shards, save_baselines, summary_line
 from bnlit.reporting import log_table, run_dir
 
 log = logging.getLogger(__name__)
@@ -108,11 +108,14 @@ class RandomTwinNLL(L.Callback):
     learning_after_steps: from this step on, warn when the trained model is not below its twin.
     languages: the languages to score (default: every validation language).
     baselines: also count and score the unigram and bigram baselines of the training shards.
+    baseline_max_tokens: count the baselines from at most this many training tokens per language
+        (None: all of them).
     """
 
     def __init__(self, max_tokens: int | None = 16384, every_n_validations: int = 1, seed: int = 1234,
                  batch_size: int = 8, init_tolerance: float = 0.15, learning_after_steps: int = 100,
-                 languages: Sequence[str] | None = None, baselines: bool = True):
+                 languages: Sequence[str] | None = None, baselines: bool = True,
+                 baseline_max_tokens: int | None = 50_000_000):
         if max_tokens is not None and max_tokens < 2:
             raise ConfigError(f"callbacks.random_twin.max_tokens={max_tokens}: must be >= 2 or null (whole slice)")
         if every_n_validations < 0 or batch_size < 1 or init_tolerance <= 0:
@@ -124,7 +127,7 @@ class RandomTwinNLL(L.Callback):
         self.languages = list(languages) if languages else None
         self._slices: dict[str, tuple[np.ndarray, int, int]] | None = None
         self._twin: dict[str, EvalResult] = {}
-        self.baselines = baselines
+        self.baselines, self.baseline_max_tokens = baselines, baseline_max_tokens
         self._baselines: dict[str, dict[str, EvalResult]] = {}  # lang -> unigram/bigram on the slice
         self._validations = 0
         self._last_step = -1
@@ -158,7 +161,7 @@ class RandomTwinNLL(L.Callback):
             self._slices[lang] = (stream, chars, nbytes)
         self.seq_len = dm.seq_len
         if self.baselines and getattr(dm, "shard_dir", None) is not None:
-            counts = count_languages(training_streams(dm.shard_dir, dm.index, eos), tok.vocab_size)
+            counts = count_shards(dm.shard_dir, dm.index, eos, tok.vocab_size, max_tokens=self.baseline_max_tokens)
             if trainer.is_global_zero:
                 save_baselines(run_dir(trainer), counts)
             self._baselines = {lang: counts[lang].evaluate(*self._slices[lang])

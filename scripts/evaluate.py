@@ -29,7 +29,7 @@ import torch
 from bnlit.checkpoint import DATAMODULE_KEY, load_model
 from bnlit.errors import BnlitError, ConfigError
 from bnlit.evaluation import EvalResult, evaluate_stream, read_documents, token_stream, twin_model
-from bnlit.ngram import BASELINES, NgramCounts, count_languages, load_baselines, training_streams
+from bnlit.ngram import BASELINES, count_shards, load_baselines
 
 RESERVED = ("vocab_size", "ln_vocab", "checkpoint", "step", "seq_len", "multiple_choice", "run_dir", "baselines")
 FIELDS = ("nll_per_token", "perplexity", "bits_per_char", "bits_per_byte")
@@ -77,7 +77,7 @@ def run_baselines(run_dir: Path | None, languages: list[str], eos_id: int, vocab
     index = load_index(shard_dir)
     if index["vocab_size"] != vocab_size:
         return counts, f"training shards {shard_dir} are of another tokenizer"
-    counted = count_languages(training_streams(shard_dir, index, eos_id), vocab_size)
+    counted = count_shards(shard_dir, index, eos_id, vocab_size)
     counts |= {lang: counted[lang] for lang in languages if lang in counted and lang not in counts}
     return counts, f"counted from {shard_dir}"
 

@@ -110,3 +110,22 @@ def test_verdicts_and_summary_line():
     (msg,) = baseline_verdicts({"bn": bpc(3.5)}, only, step=100, learning_after_steps=100)
     assert msg.startswith("baseline/bn: after 100 steps the trained model's 3.500 bits/char is not below "
                           "the add-one unigram's 3.200")
+
+
+def test_chunked_shard_counts_equal_whole_stream_counts(tmp_path):
+    from bnlit.ngram import count_languages, count_shards
+
+    rng = np.random.default_rng(0)
+    index = {"dtype": "uint16", "sources": {}}
+    for name, lang, n in (("a", "bn", 37), ("b", "bn", 23), ("c", "en", 11)):
+        arr = rng.integers(0, 6, n).astype(np.uint16)
+        arr[-1] = 0  # every shard ends a document
+        (tmp_path / f"{name}.train.bin").write_bytes(arr.tobytes())
+        index["sources"][name] = {"language": lang, "train": {"file": f"{name}.train.bin", "tokens": n}}
+    whole = count_languages(training_streams(tmp_path, index, eos_id=0), 6)
+    chunked = count_shards(tmp_path, index, eos_id=0, vocab_size=6, chunk_tokens=4)
+    for lang in ("bn", "en"):
+        for k in ("unigram", "bigram_keys", "bigram_counts"):
+            np.testing.assert_array_equal(getattr(chunked[lang], k), getattr(whole[lang], k))
+    capped = count_shards(tmp_path, index, eos_id=0, vocab_size=6, chunk_tokens=4, max_tokens=10)
+    assert capped["bn"].tokens == 10 and capped["en"].tokens == 10

@@ -65,6 +65,7 @@ def test_baselines_are_logged_saved_and_judged(healthy_run):
         assert r["beat_twin"] is True
     summary = (run / "summary.md").read_text()
     assert "## Proof of learning" in summary and "the bigram (" in summary
+    assert (run / "plots" / "learned_context.png").is_file()
 
 
 def test_dead_vocabulary_report_of_a_run(healthy_run):
