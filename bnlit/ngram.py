@@ -235,7 +235,8 @@ def baseline_verdicts(trained: dict[str, EvalResult], baselines: dict[str, dict[
         if u is not None and not t.bits_per_char < u.bits_per_char:
             out.append(f"baseline/{lang}: after {step} steps the trained model's {t.bits_per_char:.3f} bits/char is "
                        f"not below the add-one unigram's {u.bits_per_char:.3f} (counted from the training shards): "
-                       "it has not even learned token frequencies; check optimizer.lr, the data and grad/ metrics")
+                       "so far it has learned no more than token frequencies; if this persists, check "
+                       "optimizer.lr, the data and the grad/ metrics")
     return out
 
 
