@@ -16,6 +16,7 @@ from typing import IO, Any
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
+from bnlit.checkpointing import tmp_name
 from bnlit.errors import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             raise TypeError(f"{type(self).__name__} does not take storage_options")
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        tmp = tmp_name(path)
         try:
             with open(tmp, "wb") as f:
                 self._serialize(checkpoint, f)

@@ -8,8 +8,9 @@ class BnlitError(Exception):
     exit_code = 2
 
 
-class ConfigError(BnlitError):
-    """A config value is invalid or inconsistent with another."""
+class ConfigError(BnlitError, ValueError):
+    """A config value is invalid or inconsistent with another (also a ``ValueError``, what a
+    constructor raises for a bad argument)."""
 
 
 class DataError(BnlitError):

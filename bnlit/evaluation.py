@@ -120,16 +120,22 @@ def evaluate_stream(
     stream = torch.as_tensor(np.asarray(stream, dtype=np.int64))
     metric = metric if metric is not None else NLLSum()
     metric = metric.to(device)
-    spans = windows(len(stream), seq_len)[rank::world_size]
+    every = windows(len(stream), seq_len)
+    spans = every[rank::world_size]
     # group equal lengths so the short last window is its own batch and nothing is padded
-    for length in sorted({n for _, n in spans}, reverse=True):
+    for length in sorted({n for _, n in every}, reverse=True):
         starts = [s for s, n in spans if n == length]
-        for i in range(0, len(starts), batch_size):
+        # under FSDP every forward is a collective (it gathers the shards): each rank makes as many
+        # calls as the busiest rank, a rank with nothing left scores a spare window and drops it
+        most = max(sum(1 for _, n in every[r::world_size] if n == length) for r in range(world_size))
+        spare = next(s for s, n in every if n == length)
+        for i in range(0, most, batch_size):
             chunk = starts[i:i + batch_size]
-            x = torch.stack([stream[s:s + length] for s in chunk]).to(device)
-            y = torch.stack([stream[s + 1:s + length + 1] for s in chunk]).to(device)
+            x = torch.stack([stream[s:s + length] for s in chunk or [spare]]).to(device)
             logits = model(x)
-            metric.update(F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none"))
+            if chunk:
+                y = torch.stack([stream[s + 1:s + length + 1] for s in chunk]).to(device)
+                metric.update(F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none"))
     nll, tokens = metric.compute()
     return float(nll), int(tokens)
 

@@ -114,7 +114,9 @@ def tokenizer_files(tokenizer: Tokenizer, max_len: int) -> dict[str, dict]:
         "clean_up_tokenization_spaces": False,
         "model_max_length": max_len,
         "padding_side": "right",
-        "bnlit_normalization": "NFC, applied before encoding",
+        # the SentencePiece model's own rule is identity: bnlit normalises before encoding
+        "bnlit_normalization": "call bnlit.tokenizer.normalize(text) before encoding (NFC with decomposed "
+                               "nukta letters, khanda-ta, joiners, invisible controls; bnlit/data/normalize.py)",
     }
     return {"tokenizer_config.json": config, "special_tokens_map.json": special}
 

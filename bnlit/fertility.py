@@ -24,6 +24,9 @@ import numpy as np
 BYTES = "bytes"
 DEFAULT_FLOORS = {"bn": 2.5}
 DEFAULT_MAX_FACTOR = 1.5
+# the token premium a bilingual tokenizer should stay within on parallel text (Petrov et al. 2023
+# report 1.01 for MuRIL, 1.17 for BLOOM and 1.38 for XLM-R on Bangla; bytes give 2.63)
+DEFAULT_PREMIUM_BAND = (0.8, 1.25)
 
 _BENGALI = (0x0980, 0x09FF)
 
@@ -40,6 +43,7 @@ class Fertility:
     tokens: int
     byte_tokens: int
     unk_tokens: int
+    mark_start_tokens: int = 0  # tokens whose text starts with a Bangla combining mark (a bad split)
 
     @property
     def chars_per_token(self) -> float:
@@ -61,16 +65,33 @@ class Fertility:
     def unk_rate(self) -> float:
         return self.unk_tokens / self.tokens if self.tokens else float("nan")
 
+    @property
+    def mark_start_rate(self) -> float:
+        """Share of tokens that start with a vowel sign, hasanta, nukta or other Bangla combining
+        mark: a token boundary inside a grapheme cluster (0 for a script without such marks)."""
+        return self.mark_start_tokens / self.tokens if self.tokens else float("nan")
+
     def to_dict(self) -> dict:
         return {**asdict(self), "chars_per_token": self.chars_per_token,
                 "bytes_per_token": self.bytes_per_token, "tokens_per_word": self.tokens_per_word,
-                "byte_fallback_rate": self.byte_fallback_rate, "unk_rate": self.unk_rate}
+                "byte_fallback_rate": self.byte_fallback_rate, "unk_rate": self.unk_rate,
+                "mark_start_rate": self.mark_start_rate}
 
 
 def byte_piece_table(tokenizer) -> tuple[np.ndarray, int]:
     """A boolean array over the vocabulary marking byte-fallback pieces, and the unknown id."""
     sp = tokenizer.sp
     return np.array([sp.is_byte(i) for i in range(sp.get_piece_size())], dtype=bool), sp.unk_id()
+
+
+def mark_start_table(tokenizer) -> np.ndarray:
+    """A boolean array over the vocabulary marking pieces whose text (after any ``▁``) starts
+    with a Bangla combining mark (``bnlit.tokenizer.COMBINING_MARKS``)."""
+    from bnlit.tokenizer import COMBINING_MARKS
+
+    sp, marks = tokenizer.sp, set(COMBINING_MARKS)
+    return np.array([not sp.is_byte(i) and sp.id_to_piece(i).lstrip("\u2581")[:1] in marks
+                     for i in range(sp.get_piece_size())], dtype=bool)
 
 
 def piece_chars(tokenizer) -> np.ndarray:
@@ -96,13 +117,18 @@ def measure(texts: Sequence[str], tokenizer, language: str = "", num_threads: in
     chars = sum(len(t) for t in texts)
     nbytes = sum(len(t.encode("utf-8")) for t in texts)
     words = sum(len(t.split()) for t in texts)
-    if tokenizer == BYTES:
-        return Fertility(language, len(texts), chars, nbytes, words, nbytes, nbytes, 0)
+    if tokenizer == BYTES:  # a mark's first byte starts a token
+        from bnlit.tokenizer import COMBINING_MARKS
+
+        marks = sum(t.count(m) for t in texts for m in COMBINING_MARKS)
+        return Fertility(language, len(texts), chars, nbytes, words, nbytes, nbytes, 0, marks)
     is_byte, unk = byte_piece_table(tokenizer)
+    mark = mark_start_table(tokenizer)
     ids = tokenizer.encode_batch(list(texts), num_threads=num_threads)
     flat = np.fromiter((i for doc in ids for i in doc), dtype=np.int64)
     return Fertility(language, len(texts), chars, nbytes, words, int(flat.size),
-                     int(is_byte[flat].sum()) if flat.size else 0, int((flat == unk).sum()))
+                     int(is_byte[flat].sum()) if flat.size else 0, int((flat == unk).sum()),
+                     int(mark[flat].sum()) if flat.size else 0)
 
 
 def fertility_from_counts(chars: int, tokens: int) -> float:
@@ -265,4 +291,42 @@ def report(texts_by_language: Mapping[str, Sequence[str]], tokenizer, parallel: 
                              f"{ {k: len(v) for k, v in texts_by_language.items()} }")
         for lang, p in token_premium({k: f.tokens for k, f in results.items()}).items():
             out[lang]["premium"] = p
+    return out
+
+
+def read_parallel(files: Mapping[str, str | Path], field: str = "parallel") -> dict[str, list[str]]:
+    """Line-aligned translations ``{lang: file}`` -> ``{lang: lines}``; every file must exist and
+    have the same number of non-empty lines (the check a content-matched premium needs)."""
+    from bnlit.errors import ConfigError
+
+    texts = {}
+    for lang, file in files.items():
+        path = Path(file).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"{field}.{lang}: {path} does not exist; point it at a line-aligned translation "
+                              f"file or set {field}=null")
+        texts[lang] = read_lines(path)
+    counts = {lang: len(lines) for lang, lines in texts.items()}
+    if len(texts) < 2 or len(set(counts.values())) != 1 or not next(iter(counts.values())):
+        raise ConfigError(f"{field}: {counts} lines per language; parallel text needs two or more languages "
+                          f"with the same number of non-empty lines, line i of each a translation of the others")
+    return texts
+
+
+def premium_verdicts(premium: Mapping[str, float], band: Sequence[float] = DEFAULT_PREMIUM_BAND,
+                     source: str = "parallel text") -> list[str]:
+    """One message per language whose token premium on parallel text (its tokens divided by the
+    reference language's for the same content, :func:`token_premium`) is outside ``band``, in
+    either direction: above it the language is under-served, below it the reference is."""
+    lo, hi = band
+    ref = "en" if "en" in premium else next(iter(premium), None)
+    out = []
+    for lang, p in premium.items():
+        if lang == ref or lo <= p <= hi:
+            continue
+        starved, fed = (lang, ref) if p > hi else (ref, lang)
+        out.append(f"tokenizer premium: {lang} needs {p:.2f}x the tokens {ref} needs for the same content on "
+                   f"{source}, outside {lo:.2f}-{hi:.2f}; the vocabulary under-serves {starved}: retrain the "
+                   f"tokenizer with more {starved} text (tokenizer.lang_weights {{{starved}: more, {fed}: less}}) "
+                   f"or widen callbacks.fertility.premium_band")
     return out

@@ -55,3 +55,37 @@ def training_memory_bytes(
         "logits": logits,
         "total": states + activations + logits,
     }
+
+
+def parity_probe_memory_bytes(cfg: ModelConfig, probe_samples: int, probe_seq_len: int) -> dict[str, int]:
+    """An upper bound on one device's peak memory while the gradient-flow arbiter's fast-path
+    parity probe runs (``bnlit.gradient_flow.fast_path_parity`` on ``probe_samples`` sequences of
+    ``probe_seq_len`` tokens), for sizing ``callbacks.gradient_flow.probe_*``.
+
+    The probe runs after the training backward (its activations are freed) and before the
+    optimizer step: the fp32 weights, gradients and AdamW moments stay (16 bytes per parameter);
+    the fast path's and the reference's gradients are kept for the comparison (8 bytes per
+    parameter); the reference pass runs in fp32 with math attention, which stores the ``n_head x
+    T x T`` softmax per layer (the term flash attention avoids) -- per token and layer at most
+    ``4 * (10 * dim + 4 * ffn_hidden + 2 * n_head * T)`` bytes, plus fp32 logits, log-softmax and
+    their gradient (12 bytes per vocab entry per token); the comparison upcasts one parameter pair
+    to fp64 at a time (16 bytes per element of the largest). Checked against a tensor-by-tensor
+    count of the probe (real tensors at a small size, ``FakeTensorMode`` at ``400m``) in
+    ``tests/test_gradient_flow_categories.py``.
+    """
+    n = param_counts(cfg)["n_params"]
+    tokens = probe_samples * probe_seq_len
+    per_layer = 4 * (10 * cfg.dim + 4 * cfg.ffn_hidden + 2 * cfg.n_head * probe_seq_len)
+    states = 16 * n
+    grads = 8 * n
+    activations = cfg.n_layer * per_layer * tokens
+    logits = 12 * cfg.vocab_size * tokens
+    compare = 16 * max(cfg.vocab_size * cfg.dim, cfg.dim * cfg.ffn_hidden)
+    return {
+        "weights_grads_optimizer": states,
+        "probe_gradients": grads,
+        "activations": activations,
+        "logits": logits,
+        "compare": compare,
+        "total": states + grads + activations + logits + compare,
+    }

@@ -1,17 +1,21 @@
 """Gradient-flow checks: no trainable parameter may silently stop learning.
 
-Three pure checks, each tested without a Trainer (``callbacks/gradient_flow.py`` decides when to
-run them and what to do with a failure):
+Pure checks, each tested without a Trainer (``bnlit.callbacks.gradient_flow`` decides when to run
+them and what to do with a failure):
 
 * :func:`gradient_flow_report` -- after backward, every trainable parameter has a gradient that is
-  present, finite and not all zeros.
-* :func:`param_group_report` and :func:`update_flow_report` -- every trainable parameter is in an
-  optimizer param group with a non-zero learning rate, and the optimizer step changed it.
+  present, finite, not all zeros, not vanishing against its peers, and reaches at least half of
+  a matrix's output rows.
+* :class:`GradientSentinel` -- the same verdicts but exact-zero rows, from one fused norm pass per
+  step with no host sync; when it trips the full report runs.
+* :func:`param_group_report` and :func:`update_flow_report` -- optimizer membership both ways
+  (every trainable parameter in a group with a non-zero learning rate, no frozen parameter in a
+  group), and the optimizer step changed every parameter.
 * :func:`fast_path_parity` -- on one probe batch the configured fast path (bf16 autocast,
   ``torch.compile``, fused kernels) gives per-parameter gradients with the direction (cosine
-  similarity) and size (relative norm error) of a plain eager fp32 copy of the same model.
+  similarity) and size (relative norm error) of the same module run eagerly in fp32.
 
-All three accept ``reduce(tensor, op) -> tensor`` (``op`` in ``"sum" | "min" | "max"``; an
+All of them accept ``reduce(tensor, op) -> tensor`` (``op`` in ``"sum" | "min" | "max"``; an
 all-reduce across ranks) so every rank reaches the same verdict, and the distributed callers fail
 together instead of leaving one rank waiting in a collective. ``sharded=True`` (FSDP) means each
 rank holds a shard of a parameter: a parameter is zero only when every shard is.
@@ -24,13 +28,15 @@ or non-finite only after an exact re-check -- the fp32 L2 norm underflows to 0 f
 from __future__ import annotations
 
 import contextlib
-import copy
+import fnmatch
 import math
+import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn as nn
+from lightning_utilities.core.apply_func import apply_to_collection
 
 Reduce = Callable[[torch.Tensor, str], torch.Tensor]
 NamedParameters = Iterable[tuple[str, torch.Tensor]]
@@ -94,6 +100,8 @@ def _classify(tensors: Sequence[torch.Tensor]) -> tuple[list[float], list[bool],
             nonfinite[i] = not bool(torch.isfinite(t).all())
         elif zero[i]:
             zero[i] = not bool(t.any())
+            if not zero[i]:
+                l2[i] = float(torch.linalg.vector_norm(t, dtype=torch.float64))  # underflowed in fp32
         if not nonfinite[i] and not math.isfinite(l2[i]):
             l2[i] = float(torch.linalg.vector_norm(t, dtype=torch.float64))  # overflowed in fp32
     return l2, nonfinite, zero
@@ -102,6 +110,51 @@ def _classify(tensors: Sequence[torch.Tensor]) -> tuple[list[float], list[bool],
 # ----------------------------------------------------------------------------------------------
 # 1. gradient flow
 
+VANISHING_FACTOR = 1e6  # see GradientFlowReport: healthy spreads measured in the README stay below 1e3
+DEAD_ROW_SHARE = 0.5
+CATEGORIES = ("missing", "nonfinite", "zero", "vanishing", "dead_rows", "frozen_in_optimizer")
+
+
+def allowed(name: str, patterns: Iterable[str] | None) -> bool:
+    """Whether ``name`` matches one of the ``fnmatch`` patterns (``"model.layers.*.moe.*"``)."""
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns or ())
+
+
+def integer_tensors(batches: Iterable) -> list[torch.Tensor]:
+    """The integer tensors of a list of batches (any nesting of tuples, lists and dicts)."""
+    out: list[torch.Tensor] = []
+    apply_to_collection(list(batches), torch.Tensor,
+                        lambda t: out.append(t) if not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool) else None)
+    return out
+
+
+def embedding_row_exempt(module: nn.Module, batches: Sequence) -> dict[str, torch.Tensor | None]:
+    """For every ``nn.Embedding`` weight of ``module``: a mask of the rows exempt from the
+    dead-rows check -- tokens absent from ``batches`` (those rows get exactly zero gradient by
+    design) and the padding row. The present tokens are the values of the batches' integer
+    tensors (inputs, targets, masks: a superset of what reached the embedding, which only makes
+    the check more lenient). ``None``: no integer tensor, exempt the whole table."""
+    tables = {id(m.weight): m for m in module.modules() if isinstance(m, nn.Embedding)}
+    if not tables:
+        return {}
+    ids = integer_tensors(batches)
+    out: dict[str, torch.Tensor | None] = {}
+    for name, p in module.named_parameters():
+        m = tables.get(id(p))
+        if m is None or name in out:
+            continue
+        if not ids or hasattr(p, "to_local"):
+            out[name] = None
+            continue
+        present = torch.zeros(m.num_embeddings, dtype=torch.bool, device=p.device)
+        for t in ids:
+            v = t.reshape(-1).to(p.device)
+            present[v[(v >= 0) & (v < m.num_embeddings)]] = True
+        if m.padding_idx is not None:
+            present[m.padding_idx] = False
+        out[name] = ~present
+    return out
+
 
 @dataclass
 class GradientFlowReport:
@@ -109,13 +162,33 @@ class GradientFlowReport:
 
     ``names`` are the parameters checked (trainable, tied tensors once); ``norms`` their L2
     gradient norms (NaN where the gradient is missing or non-finite); ``ranks`` how many ranks saw
-    each fault (1 on a single process)."""
+    each fault (1 on a single process).
+
+    ``vanishing``: ``{name: ratio / median}`` for a parameter whose gradient-to-weight norm ratio
+    ``||g|| / ||w||`` is ``vanishing_factor`` (1e6) or more times below the median over all checked
+    parameters (``vanishing_median``; parameters with a zero weight norm are not judged). Healthy
+    models spread this ratio over < 1e3 (README); a gradient scaled down by a broken kernel or an
+    underflowing cast is 1e6-1e12 below.
+
+    ``dead_rows``: ``{name: share}`` for a matrix (``ndim >= 2``) in which ``dead_row_share``
+    (50%) or more of its output rows (dim 0) get exactly zero gradient; rows of embedding tables
+    for tokens absent from the batch are not counted (``row_exempt``).
+    """
 
     names: list[str]
     norms: dict[str, float]
     missing: list[str] = field(default_factory=list)
     nonfinite: list[str] = field(default_factory=list)
     zero: list[str] = field(default_factory=list)
+    vanishing: dict[str, float] = field(default_factory=dict)
+    dead_rows: dict[str, float] = field(default_factory=dict)
+    grad_to_weight: dict[str, float] = field(default_factory=dict)
+    vanishing_median: float = math.nan
+    vanishing_peers: int = 0
+    vanishing_factor: float = VANISHING_FACTOR
+    dead_row_share: float = DEAD_ROW_SHARE
+    dead_row_counts: dict[str, list[int]] = field(default_factory=dict)  # {name: [zero rows, counted rows]}
+    weight_norms: dict[str, float] = field(default_factory=dict)
     tied: dict[str, str] = field(default_factory=dict)
     frozen: list[str] = field(default_factory=list)
     ranks: dict[str, int] = field(default_factory=dict)
@@ -123,7 +196,7 @@ class GradientFlowReport:
 
     @property
     def ok(self) -> bool:
-        return not (self.missing or self.nonfinite or self.zero)
+        return not (self.missing or self.nonfinite or self.zero or self.vanishing or self.dead_rows)
 
     @property
     def num_ok(self) -> int:
@@ -133,32 +206,65 @@ class GradientFlowReport:
     def total_norm(self) -> float:
         return math.sqrt(sum(v * v for v in self.norms.values() if math.isfinite(v)))
 
+    def findings(self) -> list[dict]:
+        """One ``{category, parameter, figure, threshold, message}`` per fault, in parameter order."""
+        where = lambda n: f" (on {self.ranks[n]} of {self.world_size} ranks)" if self.world_size > 1 and n in self.ranks else ""  # noqa: E731
+        out = []
+        for n in self.missing:
+            out.append(dict(category="missing", parameter=n, figure=None, threshold=None, message=
+                            "gradient is None (no gradient reached it: detached, unused or outside the graph)" + where(n)))
+        for n in self.nonfinite:
+            out.append(dict(category="nonfinite", parameter=n, figure=None, threshold=None,
+                            message="gradient has NaN/Inf values" + where(n)))
+        for n in self.zero:
+            out.append(dict(category="zero", parameter=n, figure=0.0, threshold=None, message=
+                            "gradient is exactly zero everywhere (a zeroing kernel, a multiply by zero, a dead path)" + where(n)))
+        for n, rel in self.vanishing.items():
+            out.append(dict(category="vanishing", parameter=n, figure=rel, threshold=1 / self.vanishing_factor, message=(
+                f"vanishing gradient: gradient-to-weight norm ratio {self.grad_to_weight[n]:.3g} is {rel:.3g} x the "
+                f"median {self.vanishing_median:.3g} of {self.vanishing_peers} parameters (threshold "
+                f"{1 / self.vanishing_factor:g} x)")))
+        for n, share in self.dead_rows.items():
+            zero_rows, rows = self.dead_row_counts[n]
+            out.append(dict(category="dead_rows", parameter=n, figure=share, threshold=self.dead_row_share, message=(
+                f"dead rows: {zero_rows} of its {rows} output rows ({share:.0%}) got exactly zero gradient "
+                f"(threshold {self.dead_row_share:.0%})")))
+        order = {n: i for i, n in enumerate(self.names)}
+        return sorted(out, key=lambda f: order.get(f["parameter"], len(order)))
+
     def problems(self) -> dict[str, str]:
         """``{name: what is wrong}`` in parameter order."""
-        where = lambda n: f" (on {self.ranks[n]} of {self.world_size} ranks)" if self.world_size > 1 else ""  # noqa: E731
-        found = {}
-        for n in self.missing:
-            found[n] = "gradient is None (no gradient reached it: detached, unused or outside the graph)" + where(n)
-        for n in self.nonfinite:
-            found[n] = "gradient has NaN/Inf values" + where(n)
-        for n in self.zero:
-            found[n] = "gradient is exactly zero everywhere (a zeroing kernel, a multiply by zero, a dead path)" + where(n)
-        order = {n: i for i, n in enumerate(self.names)}
-        return dict(sorted(found.items(), key=lambda kv: order[kv[0]]))
+        found: dict[str, str] = {}
+        for f in self.findings():
+            found[f["parameter"]] = f"{found[f['parameter']]}; {f['message']}" if f["parameter"] in found else f["message"]
+        return found
 
     def to_dict(self) -> dict:
         return {**asdict(self), "ok": self.ok, "num_ok": self.num_ok, "total_norm": self.total_norm,
-                "problems": self.problems()}
+                "findings": self.findings(), "problems": self.problems()}
+
+
+def _dead_rows(g: torch.Tensor, exempt: torch.Tensor | None) -> torch.Tensor:
+    """``[rows with an exactly zero gradient, rows counted]`` of a matrix's gradient (device, fp64)."""
+    dead = ~g.reshape(g.shape[0], -1).ne(0).any(1)
+    if exempt is not None:
+        dead &= ~exempt
+        counted = exempt.numel() - exempt.sum()
+    else:
+        counted = torch.tensor(g.shape[0], device=g.device)
+    return torch.stack([dead.sum(), counted]).double()
 
 
 def gradient_flow_report(
     named_parameters: NamedParameters, *, reduce: Reduce | None = None, sharded: bool = False,
-    world_size: int = 1,
+    world_size: int = 1, vanishing_factor: float = VANISHING_FACTOR, dead_row_share: float = DEAD_ROW_SHARE,
+    row_exempt: Mapping[str, torch.Tensor | None] | None = None, allow: Mapping[str, Sequence[str]] | None = None,
 ) -> GradientFlowReport:
-    """Classify every trainable parameter's ``.grad`` as missing, non-finite, zero or ok.
+    """Classify every trainable parameter's ``.grad`` as missing, non-finite, zero, vanishing,
+    with dead rows, or ok.
 
     Call after backward (and after AMP unscaling). Frozen parameters are skipped and a tensor
-    shared under several names (tied embeddings) is checked once. One host sync (two with
+    shared under several names (tied embeddings) is checked once. Two host syncs (three with
     ``reduce``).
 
     Args:
@@ -166,16 +272,28 @@ def gradient_flow_report(
         reduce: all-reduce across ranks. Under DDP (``sharded=False``, gradients already
             averaged) a fault on any rank is a fault; under FSDP a parameter is zero only if all
             of its non-empty shards are.
-        sharded: parameters are sharded across ranks (FSDP); check local shards.
+        sharded: parameters are sharded across ranks (FSDP); check local shards. Embedding
+            tables are then left out of the dead-rows check (their shards' rows are not mapped
+            to tokens).
         world_size: number of ranks, for the messages.
+        vanishing_factor: flag a gradient-to-weight norm ratio this many times below the median.
+        dead_row_share: flag a matrix with at least this share of exactly-zero gradient rows.
+        row_exempt: ``{name: bool mask of rows not to count, or None for the whole tensor}``
+            (:func:`embedding_row_exempt`).
+        allow: ``{category: [fnmatch patterns]}`` of parameters exempt from ``vanishing`` and
+            ``dead_rows``.
     """
+    allow, row_exempt = allow or {}, row_exempt or {}
     params, tied, frozen = unique_trainable(named_parameters)
     names = [n for n, _ in params]
+    report = GradientFlowReport(names=names, norms={}, tied=tied, frozen=frozen, world_size=world_size,
+                                vanishing_factor=vanishing_factor, dead_row_share=dead_row_share)
     if not params:
-        return GradientFlowReport(names=[], norms={}, tied=tied, frozen=frozen, world_size=world_size)
+        return report
     device = params[0][1].device
-    # columns: holds a shard, grad is None, non-finite, all zero, squared L2 norm (finite only)
-    rows = [[0.0, 0.0, 0.0, 0.0, 0.0] for _ in params]
+    # columns: holds a shard, grad is None, non-finite, all zero, squared L2 norm of the gradient
+    # (finite only), squared L2 norm of the weight, rows with a zero gradient, rows counted
+    rows = [[0.0] * 8 for _ in params]
     with_grad = []
     for i, (_, p) in enumerate(params):
         if _local(p).numel() == 0:
@@ -187,13 +305,24 @@ def gradient_flow_report(
             with_grad.append((i, _local(p.grad)))
     if with_grad:
         l2, nonfinite, zero = _classify([g for _, g in with_grad])
-        for (i, _), n, bad, z in zip(with_grad, l2, nonfinite, zero):
-            rows[i][2], rows[i][3], rows[i][4] = float(bad), float(z), 0.0 if bad else n * n
+        w2 = torch.stack([n.to(device) for n in _norms([_local(params[i][1]).detach() for i, _ in with_grad], 2.0)])
+        extra = torch.zeros(len(with_grad), 3, dtype=torch.float64, device=device)
+        extra[:, 0] = w2.double()
+        for j, ((i, g), bad, z) in enumerate(zip(with_grad, nonfinite, zero)):
+            name = names[i]
+            exempt = row_exempt.get(name, False)
+            if (bad or z or g.ndim < 2 or g.shape[0] < 2 or allowed(name, allow.get("dead_rows"))
+                    or exempt is None or (sharded and name in row_exempt)):
+                continue
+            extra[j, 1:] = _dead_rows(g, exempt if isinstance(exempt, torch.Tensor) else None).to(device)
+        extra = extra.cpu().tolist()
+        for (i, _), n, bad, z, (wn, dead, counted) in zip(with_grad, l2, nonfinite, zero, extra):
+            rows[i][2:8] = [float(bad), float(z), 0.0 if bad else n * n, wn * wn, dead, counted]
     stats = torch.tensor(rows, dtype=torch.float64 if device.type != "mps" else torch.float32, device=device)
     stats = _reduce(stats, reduce, "sum").cpu().tolist()
 
-    report = GradientFlowReport(names=names, norms={}, tied=tied, frozen=frozen, world_size=world_size)
-    for name, (held, missing, nonfinite, zero, sumsq) in zip(names, stats):
+    divide = 1 if sharded else max(1, world_size)  # DDP ranks hold the same averaged gradient
+    for name, (held, missing, nonfinite, zero, gsq, wsq, dead, counted) in zip(names, stats):
         if held == 0:
             report.norms[name] = 0.0
             continue
@@ -207,9 +336,124 @@ def gradient_flow_report(
             report.zero.append(name)
             report.ranks[name] = int(zero)
         bad = missing > 0 or nonfinite > 0
-        # DDP ranks hold the same averaged gradient: the root mean square over ranks is its norm
-        report.norms[name] = math.nan if bad else math.sqrt(sumsq if sharded else sumsq / max(1, world_size))
+        report.norms[name] = math.nan if bad else math.sqrt(gsq / divide)
+        report.weight_norms[name] = math.sqrt(wsq / divide)
+        if not bad and wsq > 0:
+            report.grad_to_weight[name] = math.sqrt(gsq / wsq)
+        if counted > 0 and not bad and name not in report.zero and dead / counted >= dead_row_share:
+            report.dead_rows[name] = dead / counted
+            report.dead_row_counts[name] = [int(dead / divide), int(counted / divide)]
+    peers = [r for n, r in report.grad_to_weight.items() if n not in report.zero]
+    report.vanishing_peers = len(peers)
+    if len(peers) >= 3:
+        report.vanishing_median = statistics.median(peers)
+        for name, r in report.grad_to_weight.items():
+            if (name not in report.zero and r < report.vanishing_median / vanishing_factor
+                    and not allowed(name, allow.get("vanishing"))):
+                report.vanishing[name] = r / report.vanishing_median
     return report
+
+
+class GradientSentinel:
+    """The every-step check: one fused norm pass over the gradients, no host sync.
+
+    :meth:`observe` (every optimizer step) turns the per-parameter L2 gradient norms into a code
+    (1 non-finite, 2 zero, 3 vanishing against the weight norms of the last full check) and keeps
+    the first step each parameter tripped, on the device; :meth:`tripped` is the one host sync
+    (and, across ranks, the one all-reduce), done every step on CPU and on logging steps on CUDA.
+    A missing gradient is known on the host at once. Under FSDP (``sharded``) only non-finite and
+    missing gradients are judged here: a zero local shard is legitimate and norms are local.
+    """
+
+    CODES = {1: "nonfinite", 2: "zero", 3: "vanishing"}
+
+    def __init__(self, vanishing_factor: float = VANISHING_FACTOR, sharded: bool = False):
+        self.vanishing_factor, self.sharded = vanishing_factor, sharded
+        self.names: list[str] = []
+        self.first_step: torch.Tensor | None = None
+        self.first_code: torch.Tensor | None = None
+        self.inv_weight: torch.Tensor | None = None
+        self.missing: dict[str, int] = {}
+        self._weight_norms: dict[str, float] = {}
+
+    def set_weight_norms(self, weight_norms: Mapping[str, float], exempt: Iterable[str] = ()) -> None:
+        """Weight norms from the last full check (they move slowly); ``exempt``: not judged."""
+        skip = set(exempt)
+        self._weight_norms = {n: w for n, w in weight_norms.items() if n not in skip}
+        self.inv_weight = None  # rebuilt on the device at the next observe
+
+    def _inverse_weight_norms(self, device: torch.device) -> torch.Tensor | None:
+        if self.inv_weight is None and self._weight_norms:
+            inv = [1.0 / w if w > 0 else math.nan for w in (self._weight_norms.get(n, 0.0) for n in self.names)]
+            self.inv_weight = torch.tensor(inv, dtype=torch.float32, device=device)
+        return self.inv_weight
+
+    def reset(self) -> None:
+        if self.first_step is not None:
+            self.first_step.fill_(-1)
+        self.missing.clear()
+
+    def observe(self, named_parameters: NamedParameters, step: int) -> torch.Tensor | None:
+        """Record this step's faults; returns the total gradient norm (a device tensor) or None."""
+        params, _, _ = unique_trainable(named_parameters)
+        names = [n for n, _ in params]
+        grads, idx = [], []
+        for i, (n, p) in enumerate(params):
+            if p.grad is None:
+                if _local(p).numel() > 0:
+                    self.missing.setdefault(n, step)
+                continue
+            g = _local(p.grad)
+            if g.numel() > 0:
+                grads.append(g)
+                idx.append(i)
+        if not grads:
+            return None
+        device = grads[0].device
+        if names != self.names or self.first_step is None or self.first_step.device != device:
+            self.names, self.inv_weight = names, None
+            self.first_step = torch.full((len(names),), -1, dtype=torch.int64, device=device)
+            self.first_code = torch.zeros(len(names), dtype=torch.int64, device=device)
+        norms = torch.full((len(names),), math.nan, dtype=torch.float32, device=device)
+        norms[torch.tensor(idx, device=device)] = torch.stack([n.to(device) for n in _norms(grads, 2.0)])
+        present = torch.zeros(len(names), dtype=torch.bool, device=device)
+        present[torch.tensor(idx, device=device)] = True
+        nonfinite = present & ~torch.isfinite(norms)
+        code = nonfinite.long()
+        if not self.sharded:
+            zero = present & (norms == 0)
+            code = torch.where(zero, 2, code)
+            inv_weight = self._inverse_weight_norms(device)
+            if inv_weight is not None:
+                ratio = torch.where(present & (norms > 0), norms * inv_weight, math.nan)
+                peers = torch.isfinite(ratio)
+                median = torch.nanmedian(ratio)
+                vanishing = peers & (ratio < median / self.vanishing_factor) & (peers.sum() >= 3)
+                code = torch.where(vanishing & (code == 0), 3, code)
+        new = (code > 0) & (self.first_step < 0)
+        self.first_step = torch.where(new, step, self.first_step)
+        self.first_code = torch.where(new, code, self.first_code)
+        return torch.where(present, norms, 0.0).norm()
+
+    def tripped(self, reduce: Reduce | None = None, extra: bool = False) -> bool:
+        """Whether any parameter tripped since the last :meth:`reset` (on any rank); host sync."""
+        if self.first_step is None:
+            flag = torch.tensor([float(bool(self.missing) or extra)])
+        else:
+            flag = ((self.first_step >= 0).any() | bool(self.missing) | extra).float().reshape(1)
+        return bool(_reduce(flag, reduce, "max").item() > 0)
+
+    def findings(self, reduce: Reduce | None = None) -> dict[str, tuple[str, int]]:
+        """``{name: (category, first step)}`` since the last reset, agreed over ranks."""
+        out: dict[str, tuple[str, int]] = {}
+        if self.first_step is not None:
+            first = torch.where(self.first_step >= 0, self.first_step.double(), math.inf)
+            first = _reduce(first, reduce, "min").cpu().tolist()
+            code = _reduce(self.first_code.clone(), reduce, "max").cpu().tolist()
+            out = {n: (self.CODES[c], int(s)) for n, s, c in zip(self.names, first, code) if math.isfinite(s) and c}
+        for n, s in self.missing.items():
+            out[n] = ("missing", s)
+        return out
 
 
 def total_grad_norm(named_parameters: NamedParameters) -> torch.Tensor | None:
@@ -248,41 +492,65 @@ def _lr(group: Mapping, initial: bool) -> float:
 
 @dataclass
 class ParamGroupReport:
-    """Trainable parameters missing from every optimizer, and those whose group's base learning
-    rate (``initial_lr`` when a scheduler is attached) is zero: ``{name: group label}``."""
+    """Optimizer membership, both ways: trainable parameters missing from every optimizer
+    (``not_in_optimizer``), those whose group's base learning rate (``initial_lr`` when a scheduler
+    is attached) is zero (``zero_lr``: ``{name: group label}``), and parameters with
+    ``requires_grad=False`` that sit in an optimizer group (``frozen_in_optimizer``: frozen after
+    the optimizer was built, so it never learns again -- unless allow-listed)."""
 
     names: list[str]
     not_in_optimizer: list[str] = field(default_factory=list)
     zero_lr: dict[str, str] = field(default_factory=dict)
+    frozen_in_optimizer: dict[str, str] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
-        return not (self.not_in_optimizer or self.zero_lr)
+        return not (self.not_in_optimizer or self.zero_lr or self.frozen_in_optimizer)
+
+    def findings(self) -> list[dict]:
+        out = [dict(category="not_in_optimizer", parameter=n, figure=None, threshold=None,
+                    message="not in any optimizer param group (it gets gradients but is never updated)")
+               for n in self.not_in_optimizer]
+        out += [dict(category="zero_lr", parameter=n, figure=0.0, threshold=None,
+                     message=f"in param group {g!r} whose learning rate is 0") for n, g in self.zero_lr.items()]
+        out += [dict(category="frozen_in_optimizer", parameter=n, figure=None, threshold=None, message=(
+            f"requires_grad=False but still in optimizer param group {g!r} (frozen after the optimizer was "
+            f"built: it never learns again; allow-list it under allow.frozen_in_optimizer if intended)"))
+            for n, g in self.frozen_in_optimizer.items()]
+        order = {n: i for i, n in enumerate(self.names)}
+        return sorted(out, key=lambda f: order.get(f["parameter"], len(order)))
 
     def problems(self) -> dict[str, str]:
-        found = {n: "not in any optimizer param group (it gets gradients but is never updated)"
-                 for n in self.not_in_optimizer}
-        found |= {n: f"in param group {g!r} whose learning rate is 0" for n, g in self.zero_lr.items()}
-        order = {n: i for i, n in enumerate(self.names)}
-        return dict(sorted(found.items(), key=lambda kv: order[kv[0]]))
+        return {f["parameter"]: f["message"] for f in self.findings()}
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "ok": self.ok, "problems": self.problems()}
+        return {**asdict(self), "ok": self.ok, "findings": self.findings(), "problems": self.problems()}
 
 
 def param_group_report(named_parameters: NamedParameters,
-                       optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer]) -> ParamGroupReport:
-    """Check that every trainable parameter is in a param group with a non-zero base lr."""
+                       optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+                       allow: Mapping[str, Sequence[str]] | None = None) -> ParamGroupReport:
+    """Check that every trainable parameter is in a param group with a non-zero base lr, and that
+    no frozen parameter is in one (``allow["frozen_in_optimizer"]``: fnmatch patterns exempt)."""
     if isinstance(optimizers, torch.optim.Optimizer):
         optimizers = [optimizers]
-    params, _, _ = unique_trainable(named_parameters)
+    named = list(named_parameters)
+    params, _, _ = unique_trainable(named)
     groups = _group_of(optimizers)
-    report = ParamGroupReport(names=[n for n, _ in params])
+    seen: set[int] = set()
+    report = ParamGroupReport(names=[n for n, _ in named if not (id(_) in seen or seen.add(id(_)))])
     for name, p in params:
         if id(p) not in groups:
             report.not_in_optimizer.append(name)
         elif _lr(groups[id(p)][1], initial=True) == 0.0:
             report.zero_lr[name] = groups[id(p)][0]
+    seen = set()
+    for name, p in named:
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        if not p.requires_grad and id(p) in groups and not allowed(name, (allow or {}).get("frozen_in_optimizer")):
+            report.frozen_in_optimizer[name] = groups[id(p)][0]
     return report
 
 
@@ -418,19 +686,44 @@ def update_flow_report(
 # 3. fast-path parity
 
 
-def eager_fp32_copy(model: nn.Module) -> nn.Module:
-    """A plain eager fp32 copy of ``model`` with the same weights: ``torch.compile`` wrappers
-    (``torch.compile(m)`` and ``m.compile()``) are dropped, parameters cast to fp32."""
-    model = getattr(model, "_orig_mod", model)
-    memo: dict[int, object] = {}
-    for m in model.modules():
-        compiled = m.__dict__.get("_compiled_call_impl")
-        if compiled is not None:
-            memo[id(compiled)] = None
-    ref = copy.deepcopy(model, memo)
-    for p in ref.parameters():
-        p.grad = None
-    return ref.float()
+def slice_batch(batch, samples: int | None = None, seq_len: int | None = None):
+    """The probe batch: the first ``samples`` rows (dim 0) of every tensor in ``batch`` (any
+    nesting of tuples, lists and dicts) and, with ``seq_len``, the first ``seq_len`` positions of
+    dim 1 of tensors with two or more dims (token sequences: inputs, targets and masks alike)."""
+
+    def cut(t: torch.Tensor) -> torch.Tensor:
+        if t.ndim >= 1 and samples:
+            t = t[:samples]
+        if t.ndim >= 2 and seq_len:
+            t = t[:, :seq_len]
+        return t
+
+    return apply_to_collection(batch, torch.Tensor, cut)
+
+
+@contextlib.contextmanager
+def eager_fp32(module: nn.Module):
+    """``module`` as the reference runs it: ``torch.compile`` off (``force_eager``) and fp32
+    parameters and buffers. Parameters that are fp32 already are used as they are (no copy: the
+    reference costs no weight memory under mixed precision); others (bf16-true) are swapped for
+    fp32 copies for the duration. Yields ``{name: tensor}`` of the trainable parameters to
+    differentiate."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    params, _, _ = unique_trainable(module.named_parameters())
+    swap: dict[str, torch.Tensor] = {}
+    for n, p in module.named_parameters():
+        if p.is_floating_point() and p.dtype != torch.float32:
+            swap[n] = p.detach().float().requires_grad_(p.requires_grad)
+    for n, b in module.named_buffers():
+        if b.is_floating_point() and b.dtype != torch.float32:
+            swap[n] = b.float()
+    with torch.compiler.set_stance("force_eager"):
+        if not swap:
+            yield dict(params)
+            return
+        with _reparametrize_module(module, swap, tie_weights=True):
+            yield {n: swap.get(n, p) for n, p in params}
 
 
 @contextlib.contextmanager
@@ -447,20 +740,23 @@ def reference_context(device: torch.device):
         torch.set_float32_matmul_precision(precision)
 
 
-def probe_gradients(model: nn.Module, batch, loss_fn: Callable[[nn.Module, object], torch.Tensor],
+def probe_gradients(params: Mapping[str, torch.Tensor], loss: Callable[[], torch.Tensor],
                     context: contextlib.AbstractContextManager | None = None, seed: int = 0) -> dict[str, torch.Tensor | None]:
-    """Gradients of ``loss_fn(model, batch)`` w.r.t. the trainable parameters, via
-    ``torch.autograd.grad`` (the parameters' ``.grad`` is left untouched). The RNG is seeded so a
-    model with dropout draws the same masks on both paths."""
-    params, _, _ = unique_trainable(model.named_parameters())
-    device = params[0][1].device
+    """Gradients of ``loss()`` w.r.t. ``params`` via ``torch.autograd.grad`` (the parameters'
+    ``.grad`` is left untouched). The RNG is seeded so a model with dropout draws the same masks
+    on both paths."""
+    tensors = list(params.values())
+    device = tensors[0].device
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
         with context if context is not None else contextlib.nullcontext():
-            loss = loss_fn(model, batch)
-        grads = torch.autograd.grad(loss, [p for _, p in params], allow_unused=True)
-    return {n: (None if g is None else g.detach()) for (n, _), g in zip(params, grads)}
+            value = loss()
+        if not isinstance(value, torch.Tensor) or value.numel() != 1 or not value.requires_grad:
+            raise TypeError(f"the probe loss must be a scalar tensor that requires grad, got "
+                            f"{type(value).__name__}{tuple(value.shape) if isinstance(value, torch.Tensor) else ''}")
+        grads = torch.autograd.grad(value.reshape(()), tensors, allow_unused=True)
+    return {n: (None if g is None else g.detach()) for n, g in zip(params, grads)}
 
 
 @dataclass
@@ -538,28 +834,27 @@ def compare_gradients(
 
 
 def fast_path_parity(
-    model: nn.Module, batch, loss_fn: Callable[[nn.Module, object], torch.Tensor], *,
-    fast_context: contextlib.AbstractContextManager | None = None, reference: nn.Module | None = None,
+    module: nn.Module, batch, loss_fn: Callable[[object], torch.Tensor], *,
+    fast_context: contextlib.AbstractContextManager | None = None,
     min_cosine: float = 0.99, max_rel_norm_error: float = 0.05, reduce: Reduce | None = None,
 ) -> ParityReport:
-    """Gradients of the fast path (``model`` as configured -- compiled or not -- under
-    ``fast_context``, e.g. bf16 autocast) against a plain eager fp32 copy of the same weights on
-    one probe ``batch``.
+    """Gradients of the fast path (``module`` as configured -- compiled or not -- under
+    ``fast_context``, e.g. bf16 autocast) against the same module run eagerly in fp32 (math SDPA,
+    no autocast, no TF32; :func:`eager_fp32`) on one probe ``batch``.
 
     Args:
-        model: the training model (its ``.grad`` are not touched).
-        batch: one probe batch, passed to ``loss_fn(model, batch) -> scalar loss``.
+        module: the module whose trainable parameters are compared (their ``.grad`` is not
+            touched), e.g. the LightningModule.
+        batch: the probe batch, passed to ``loss_fn(batch) -> scalar loss`` -- the module's own
+            training loss (``pl_module.loss_for_batch``); :func:`slice_batch` cuts it down.
         fast_context: the training forward context (``trainer.precision_plugin.forward_context()``).
-        reference: a prepared reference model (default: :func:`eager_fp32_copy` of ``model``).
         min_cosine, max_rel_norm_error: per-parameter tolerances; see the README for the bf16
             figures they were chosen from.
         reduce: all-reduce across ranks (each rank probes its own batch; the worst rank decides).
     """
-    fast = probe_gradients(model, batch, loss_fn, fast_context)
-    ref_model = reference if reference is not None else eager_fp32_copy(model)
-    device = next(ref_model.parameters()).device
-    with reference_context(device):
-        ref = probe_gradients(ref_model, batch, loss_fn)
+    params = dict(unique_trainable(module.named_parameters())[0])
+    fast = probe_gradients(params, lambda: loss_fn(batch), fast_context)
     fast = {n: (None if g is None else g.float()) for n, g in fast.items()}
-    del ref_model
+    with eager_fp32(module) as ref_params, reference_context(next(iter(params.values())).device):
+        ref = probe_gradients(ref_params, lambda: loss_fn(batch))
     return compare_gradients(fast, ref, min_cosine=min_cosine, max_rel_norm_error=max_rel_norm_error, reduce=reduce)

@@ -14,7 +14,7 @@ from hydra.utils import instantiate
 import bnlit.resolvers  # noqa: F401
 from bnlit import CONF_DIR
 from bnlit.errors import BnlitError
-from bnlit.flops import flops_per_token, param_counts, training_memory_bytes
+from bnlit.flops import flops_per_token, param_counts, parity_probe_memory_bytes, training_memory_bytes
 
 GIB = 1 << 30
 
@@ -37,7 +37,22 @@ def model_info(overrides: list[str]) -> dict:
         "tokens_per_optimizer_step_per_device": micro * seq_len * accum,
         "devices": devices,
         "memory_estimate_gib": {k: round(v / GIB, 2) for k, v in mem.items()},
+        **probe_memory(cfg, mc, seq_len, micro),
     }
+
+
+def probe_memory(cfg, mc, seq_len: int, micro: int) -> dict:
+    """The gradient-flow arbiter's parity probe: its slice of the micro-batch and a bound on the
+    device's peak while it runs (the probe runs between the training backward and the optimizer
+    step, so it must stay below the training step's peak, not add to it)."""
+    arbiter = (cfg.get("callbacks") or {}).get("gradient_flow")
+    if not arbiter or not arbiter.get("fast_path_parity", True):
+        return {}
+    samples = min(micro, arbiter.get("probe_samples") or micro)
+    tokens = min(seq_len, arbiter.get("probe_seq_len") or seq_len)
+    mem = parity_probe_memory_bytes(mc, samples, tokens)
+    return {"parity_probe": f"{samples} sequences x {tokens} tokens",
+            "parity_probe_memory_estimate_gib": {k: round(v / GIB, 2) for k, v in mem.items()}}
 
 
 def main(argv: list[str] | None = None) -> int:

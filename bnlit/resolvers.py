@@ -16,9 +16,17 @@ def wandb_offline() -> bool:
     return not os.environ.get("WANDB_API_KEY")
 
 
+def rehearsal_devices(strategy) -> int:
+    """Processes of a CPU rehearsal (``debug=rehearsal``): 1 for a single-device profile, 2 for a
+    distributed strategy (a name such as ``ddp`` or a strategy node such as FSDP2's)."""
+    return 1 if strategy in (None, "auto", "single_device") else 2
+
+
 def register() -> None:
     if not OmegaConf.has_resolver("bnlit.wandb_offline"):
         OmegaConf.register_new_resolver("bnlit.wandb_offline", wandb_offline)
+    if not OmegaConf.has_resolver("bnlit.rehearsal_devices"):
+        OmegaConf.register_new_resolver("bnlit.rehearsal_devices", rehearsal_devices)
 
 
 register()

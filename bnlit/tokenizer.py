@@ -1,11 +1,19 @@
 """SentencePiece tokenizer: training, loading and Bangla-safe normalisation.
 
-Normalisation is Unicode NFC, applied by bnlit before SentencePiece sees the text; SentencePiece's
-own rule is ``identity``. NFKC (SentencePiece's default) also folds compatibility characters, which
-rewrites some Bangla text (for example the khanda-ta and nukta letters) and so changes what a
-model sees from what a user typed; NFC only composes canonically equivalent sequences. NFC
-decomposes য় ড় ঢ় into letter + nukta (U+09BC), so the nukta, the danda । and the Bangla digits are
-seeded as required characters: without them they would fall back to bytes.
+**Normalisation** is :func:`normalize`, which is :func:`bnlit.data.normalize.normalize_chars`, the
+character rules data cleaning applies (controls removed, NFC with য় ড় ঢ় as letter + nukta,
+legacy khanda-ta as ৎ, ZWJ/ZWNJ kept only where they change rendering). bnlit applies it before
+SentencePiece sees any text, in training and in :meth:`Tokenizer.encode`; SentencePiece's own
+rule is ``identity``. NFKC (SentencePiece's default) also folds compatibility characters, which
+rewrites some text and so changes what a model sees from what a user typed. An exported
+tokenizer (``bnlit/export.py``) gets the raw SentencePiece model: call :func:`normalize` first.
+
+**Coverage.** Every letter, vowel sign, mark and digit of the Bengali block that Bangla uses
+(:data:`BANGLA_CHARS`), the danda and double danda, and ZWJ/ZWNJ are required characters: each is
+a piece at any vocabulary size, whether or not the training text has it, so none falls back to
+bytes. **Digits** are one token each in both scripts: SentencePiece's ``split_digits`` splits
+ASCII digits only, so the Bangla digits are ``user_defined_symbols``, which SentencePiece never
+merges with their neighbours (``২০২৪`` -> ``▁ ২ ০ ২ ৪`` like ``2024`` -> ``▁ 2 0 2 4``).
 """
 
 from __future__ import annotations
@@ -14,26 +22,52 @@ import hashlib
 import io
 import logging
 import os
+import re
 import string
-import unicodedata
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 
+from bnlit import progress
+from bnlit.data.normalize import HASANTA, NUKTA, ZWJ, ZWNJ, normalize_chars
 from bnlit.errors import TokenizerError
 
 log = logging.getLogger(__name__)
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
-BANGLA_REQUIRED = "\u09bc\u0964\u0965\u09f3" + "০১২৩৪৫৬৭৮৯"
+
+
+def _chars(*ranges: tuple[int, int]) -> str:
+    return "".join(chr(c) for lo, hi in ranges for c in range(lo, hi + 1))
+
+
+# The Bengali block as Bangla writes it (Unicode chart U+0980-U+09FF): candrabindu, anusvara,
+# visarga; the vowels (with vocalic R/L and RR/LL); the consonants; nukta, avagraha; the vowel signs;
+# hasanta, khanda-ta, the au length mark; the digits; the rupee mark and the taka sign. Left out:
+# the precomposed nukta letters য় ড় ঢ় (normalisation decomposes them), the Assamese ra/wa
+# (U+09F0/U+09F1), the historic fraction and currency numerators (U+09F4-U+09FA) and the Vedic signs.
+BANGLA_DIGITS = _chars((0x09E6, 0x09EF))
+BANGLA_CHARS = _chars(
+    (0x0981, 0x0983), (0x0985, 0x098C), (0x098F, 0x0990), (0x0993, 0x09A8), (0x09AA, 0x09B0), (0x09B2, 0x09B2),
+    (0x09B6, 0x09B9), (0x09BC, 0x09C4), (0x09C7, 0x09C8), (0x09CB, 0x09CE), (0x09D7, 0x09D7), (0x09E0, 0x09E3),
+) + BANGLA_DIGITS + "\u09f2\u09f3"
+DANDA, DOUBLE_DANDA = "\u0964", "\u0965"
+BANGLA_REQUIRED = BANGLA_CHARS + DANDA + DOUBLE_DANDA + ZWJ + ZWNJ
 REQUIRED_CHARS = BANGLA_REQUIRED + string.digits + string.punctuation + "‘’“”–—…"
+# a mark that cannot start a well-formed Bangla syllable: a token that starts with one was cut
+# inside a grapheme cluster (README "Tokenizer fertility")
+COMBINING_MARKS = _chars((0x0981, 0x0983), (0x09BE, 0x09C4), (0x09C7, 0x09C8), (0x09CB, 0x09CC), (0x09D7, 0x09D7),
+                         (0x09E2, 0x09E3)) + NUKTA + HASANTA
+# 4 special tokens, 256 byte-fallback pieces and the required characters: a smaller vocabulary
+# cannot be trained whatever the text
+MIN_VOCAB_SIZE = 4 + 256 + len(set(REQUIRED_CHARS))
 NORMALIZATION_RULES = {"nfc": "identity", "nfkc": "nfkc"}  # bnlit name -> SentencePiece rule
 MAX_LINE_BYTES = 4000  # SentencePiece drops training sentences longer than max_sentence_length (4192 bytes)
+# bump when what train_tokenizer does with the same arguments changes (cached tokenizers retrain)
+RECIPE_VERSION = 2
 
-
-def normalize(text: str) -> str:
-    return unicodedata.normalize("NFC", text)
+normalize = normalize_chars  # the one character normalisation (bnlit/data/normalize.py)
 
 
 def training_lines(texts: Iterable[str], max_bytes: int = MAX_LINE_BYTES) -> Iterator[str]:
@@ -99,11 +133,13 @@ def train_tokenizer(
     max_sentences: int = 2_000_000,
     num_threads: int | None = None,
     normalization: str = "nfc",
+    split_digits: bool = True,
 ) -> Path:
     """Train a SentencePiece model on ``texts`` and write it atomically to ``out_path``.
 
-    ``normalization``: ``nfc`` (bnlit's NFC, SentencePiece rule ``identity``) or ``nfkc``
-    (NFC, then SentencePiece's ``nfkc`` rule, stored in the model and applied at encode time).
+    ``normalization``: ``nfc`` (:func:`normalize`, SentencePiece rule ``identity``) or ``nfkc``
+    (:func:`normalize`, then SentencePiece's ``nfkc`` rule, stored in the model and applied at
+    encode time). ``split_digits``: every ASCII and Bangla digit is its own token.
     """
     import sentencepiece as spm
 
@@ -111,34 +147,64 @@ def train_tokenizer(
         raise TokenizerError(f"tokenizer.model_type={model_type!r}: use 'bpe' or 'unigram'")
     if normalization not in NORMALIZATION_RULES:
         raise TokenizerError(f"tokenizer.normalization={normalization!r}: use one of {sorted(NORMALIZATION_RULES)}")
+    user_defined = list(BANGLA_DIGITS) if split_digits else []  # never merged, like split_digits' ASCII
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     model = io.BytesIO()
+    bar = progress.bar("tokenizer: reading", unit="line")
+
+    def lines() -> Iterator[str]:  # tqdm's update() returns True when it redraws: never yield that
+        for line in training_lines(texts):
+            bar.update()
+            yield line
+
+    def on_log(line: str) -> bool:
+        """SentencePiece's INFO lines drive the bar and are not shown; warnings and errors are."""
+        if alphabet := re.search(r"Alphabet size=(\d+)", line):  # reading is done: merges follow
+            # special, byte-fallback and user-defined pieces
+            merges = vocab_size - 4 - 256 - len(user_defined) - int(alphabet.group(1))
+            progress.set_total(bar, max(1, merges) if model_type == "bpe" else None,
+                               desc=f"tokenizer: {model_type} merges", unit="merge")
+        elif merged := re.search(r"merges=(\d+)", line):
+            bar.update(int(merged.group(1)) - bar.n)
+        return not re.match(r"([WEF]\d{4} |.*LOG\((WARNING|ERROR|FATAL)\))", line)
+
     try:
-        spm.SentencePieceTrainer.train(
-            sentence_iterator=training_lines(texts),
-            model_writer=model,
-            vocab_size=vocab_size,
-            model_type=model_type,
-            character_coverage=character_coverage,
-            normalization_rule_name=NORMALIZATION_RULES[normalization],
-            byte_fallback=True,
-            split_digits=True,
-            allow_whitespace_only_pieces=True,
-            required_chars="".join(sorted(set(REQUIRED_CHARS))),
-            pad_id=PAD_ID,
-            unk_id=UNK_ID,
-            bos_id=BOS_ID,
-            eos_id=EOS_ID,
-            input_sentence_size=max_sentences,
-            shuffle_input_sentence=True,
-            seed_sentencepiece_size=1_000_000,
-            num_threads=num_threads or os.cpu_count() or 1,
-            minloglevel=2,
-        )
+        with progress.native_log_lines(on_log):
+            spm.SentencePieceTrainer.train(
+                sentence_iterator=lines(),
+                model_writer=model,
+                vocab_size=vocab_size,
+                model_type=model_type,
+                character_coverage=character_coverage,
+                normalization_rule_name=NORMALIZATION_RULES[normalization],
+                byte_fallback=True,
+                split_digits=split_digits,
+                user_defined_symbols=user_defined,
+                allow_whitespace_only_pieces=True,
+                required_chars="".join(sorted(set(REQUIRED_CHARS) - set(user_defined))),
+                pad_id=PAD_ID,
+                unk_id=UNK_ID,
+                bos_id=BOS_ID,
+                eos_id=EOS_ID,
+                input_sentence_size=max_sentences,
+                shuffle_input_sentence=True,
+                seed_sentencepiece_size=1_000_000,
+                num_threads=num_threads or os.cpu_count() or 1,
+                minloglevel=0 if not bar.disable else 2,
+            )
+        bar.update(bar.total - bar.n if bar.total else 0)  # merges are reported every 100
+        bar.refresh()
     except RuntimeError as e:
-        raise TokenizerError(f"tokenizer training failed ({str(e).splitlines()[0]}); "
-                             f"lower tokenizer.vocab_size={vocab_size} or give more text") from None
+        reason = str(e).splitlines()[0]
+        if "too high" in reason:  # more pieces asked for than the text can supply
+            fix = f"lower model.config.vocab_size={vocab_size} or give more text"
+        else:  # "smaller than required_chars. 10 vs 339": the text's characters alone need 339 pieces
+            need = re.search(r"(\d+) vs (\d+)", reason)
+            fix = f"raise model.config.vocab_size={vocab_size} to at least {need.group(2) if need else MIN_VOCAB_SIZE} (e.g. 8192)"
+        raise TokenizerError(f"tokenizer training failed ({reason}); {fix}") from None
+    finally:
+        bar.close()
     tmp = out_path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_bytes(model.getvalue())
     os.replace(tmp, out_path)

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import sys
+import time
 from pathlib import Path
 
 import hydra
@@ -21,37 +23,36 @@ from omegaconf import DictConfig, OmegaConf
 import bnlit.resolvers  # noqa: F401  (registers ${bnlit.*} resolvers)
 from bnlit import CONF_DIR
 from bnlit.checkpoint import read_checkpoint
+from bnlit.checkpointing import Interrupted, newest_checkpoint, remove_partial_writes, requeued_slurm_job
 from bnlit.ckpt_io import AtomicCheckpointIO
 from bnlit.errors import BnlitError, CheckpointError, ConfigError
 from bnlit.summary import redact, write_summary
+from bnlit.threads import load_average, set_threads
+from bnlit.validate import instantiate_checked, validate_config
 
 log = logging.getLogger("bnlit")
 
 
-def check_config(cfg: DictConfig) -> None:
-    """Cross-field checks that no single constructor can make."""
-    max_len = cfg.model.config.max_seq_len
-    if cfg.data.seq_len > max_len:
-        raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds model.config.max_seq_len={max_len} "
-                          f"of preset {cfg.model.config.name}; lower data.seq_len or raise max_seq_len")
-
-
 def resolve_ckpt_path(ckpt_path: str | None, checkpoint_dir: Path, overwrite: bool) -> str | None:
     """``None``: a fresh run, refused if the run dir already holds checkpoints (unless
-    ``overwrite``); ``"last"``: the newest checkpoint of this run dir; else an existing file."""
+    ``overwrite``), except in a requeued SLURM job, which resumes; ``"last"``: the complete
+    checkpoint of this run dir with the highest step; else an existing file."""
     existing = sorted(checkpoint_dir.glob("*.ckpt")) if checkpoint_dir.is_dir() else []
+    if ckpt_path is None and existing and requeued_slurm_job() and not overwrite:
+        log.info("requeued SLURM job (SLURM_RESTART_COUNT=%s): resuming from %s",
+                 os.environ.get("SLURM_RESTART_COUNT"), checkpoint_dir)
+        ckpt_path = "last"
     if ckpt_path is None:
         if existing and not overwrite:
             raise CheckpointError(f"{checkpoint_dir} already holds checkpoints of another run; resume with "
                                   "ckpt_path=last, choose a new hydra.run.dir, or pass overwrite=true")
         return None
     if ckpt_path == "last":
-        last = checkpoint_dir / "last.ckpt"
-        if last.is_file():
-            return str(last)
-        if existing:
-            return str(max(existing, key=lambda p: p.stat().st_mtime))
-        raise CheckpointError(f"ckpt_path=last: no checkpoint in {checkpoint_dir}; "
+        newest = newest_checkpoint(checkpoint_dir)
+        if newest is not None:
+            return str(newest)
+        torn = f" ({len(existing)} .ckpt files do not open: truncated or corrupt)" if existing else ""
+        raise CheckpointError(f"ckpt_path=last: no complete checkpoint in {checkpoint_dir}{torn}; "
                               "set hydra.run.dir to the run you want to resume")
     if not Path(ckpt_path).is_file():
         raise CheckpointError(f"ckpt_path={ckpt_path}: no such file; pass an existing .ckpt or ckpt_path=last")
@@ -64,7 +65,7 @@ def instantiate_group(group: DictConfig | None, wandb_kwargs: dict | None = None
         if c is None:
             continue
         extra = (wandb_kwargs or {}) if str(c.get("_target_", "")).endswith("WandbLogger") else {}
-        out.append(instantiate(c, **extra))
+        out.append(instantiate_checked(c, **extra))
     return out
 
 
@@ -100,14 +101,19 @@ def sweep_group() -> str | None:
 
 def train(cfg: DictConfig) -> dict[str, float]:
     """Fit the configured model; return the final ``trainer.callback_metrics`` as floats."""
-    check_config(cfg)
+    start = time.perf_counter()
+    validate_config(cfg)  # seconds, before anything is built or written
+    threads = set_threads(cfg.get("threads", "auto"))
+    load_at_start = load_average()
+    callbacks = instantiate_group(cfg.get("callbacks"))  # their own argument checks, also before the data build
     checkpoint_dir = Path(cfg.paths.checkpoint_dir)
+    remove_partial_writes(checkpoint_dir)
     ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), checkpoint_dir, cfg.get("overwrite", False))
     ckpt_io = AtomicCheckpointIO()
     if ckpt_path is not None:  # validate before Lightning sees it
         checkpoint = read_checkpoint(ckpt_path)
         check_resume(cfg, ckpt_path, checkpoint)
-        if "FSDP" not in str(cfg.trainer.get("strategy")):  # FSDP loads files itself, not via CheckpointIO
+        if not any(s in str(cfg.trainer.get("strategy")) for s in ("FSDP", "ModelParallel")):  # these load files themselves
             ckpt_io.preload(ckpt_path, checkpoint)  # Lightning's load takes it: the file is read once
         del checkpoint  # hold no reference to optimizer states during training
     L.seed_everything(cfg.seed, workers=True)
@@ -118,7 +124,6 @@ def train(cfg: DictConfig) -> dict[str, float]:
     model = instantiate(cfg.model)
     scheduler = instantiate(cfg.scheduler) if cfg.get("scheduler") else None
     module = instantiate(cfg.module)(model=model, optimizer=instantiate(cfg.optimizer), scheduler=scheduler)
-    callbacks = instantiate_group(cfg.get("callbacks"))
     loggers = instantiate_group(cfg.get("logger"), {"tags": run_tags(cfg), "group": sweep_group()})
     trainer: L.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False,
                                      plugins=[ckpt_io])
@@ -129,15 +134,31 @@ def train(cfg: DictConfig) -> dict[str, float]:
         trainer.validate(module, datamodule=datamodule, verbose=False)
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
+    if needs_final_validation(trainer):  # every run ends with the final model's val/loss (sweeps read it)
+        trainer.validate(module, datamodule=datamodule, verbose=False)
+        metrics.update({k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1})
     if trainer.is_global_zero:
         for lg in loggers:
             lg.save()
-        write_summary(Path(cfg.paths.output_dir), metrics)
-        report(cfg, metrics, loggers)
+        write_summary(Path(cfg.paths.output_dir), metrics, fast_path=getattr(module, "fast_path", None))
+        timing = {"wall_s": time.perf_counter() - start, "threads": threads, "load_start": load_at_start,
+                  "load_end": load_average()}
+        report(cfg, metrics, loggers, timing)
     return metrics
 
 
-def report(cfg: DictConfig, metrics: dict[str, float], loggers: list) -> None:
+def needs_final_validation(trainer: L.Trainer) -> bool:
+    """True when the fit ended on a step that was not validated (``max_steps`` is not a multiple
+    of ``val_check_interval``, or below it) and no validation was switched off."""
+    interval = trainer.val_check_interval
+    if trainer.interrupted or not trainer.limit_val_batches:
+        return False
+    if not isinstance(interval, int):  # a fraction of an epoch: Lightning validated at the epoch end
+        return False
+    return trainer.global_step > 0 and trainer.global_step % interval != 0
+
+
+def report(cfg: DictConfig, metrics: dict[str, float], loggers: list, timing: dict | None = None) -> None:
     out = Path(cfg.paths.output_dir)
     fmt = lambda k: f"{metrics[k]:.4f}" if k in metrics else "n/a"  # noqa: E731
     lines = [
@@ -150,7 +171,20 @@ def report(cfg: DictConfig, metrics: dict[str, float], loggers: list) -> None:
     for lg in loggers:
         where = getattr(lg, "log_dir", None) or getattr(lg, "save_dir", None)
         lines.append(f"metrics     {type(lg).__name__}: {where}")
+    if timing:
+        load = lambda x: "n/a" if x is None else f"{x:.1f}"  # noqa: E731
+        lines.append(f"wall time   {format_duration(timing['wall_s'])} ({timing['threads']} threads; load average "
+                     f"{load(timing['load_start'])} at start, {load(timing['load_end'])} at end)")
     print("\n".join(lines), flush=True)
+
+
+def format_duration(seconds: float) -> str:
+    """3725.4 -> '1h 02m 05s'; 95 -> '1m 35s'; 4.2 -> '4.2 s'."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    m, s = divmod(round(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h {m:02d}m {s:02d}s" if h else f"{m}m {s:02d}s"
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
@@ -158,6 +192,12 @@ def main(cfg: DictConfig) -> float | None:
     try:
         metrics = train(cfg)
         return optimized(metrics, cfg.get("optimized_metric"))
+    except Interrupted as e:
+        if e.rank_zero:
+            print(e.message(Path(cfg.paths.output_dir)), file=sys.stderr, flush=True)
+        if e.then is not None:
+            e.then()  # requeue a SLURM job
+        sys.exit(e.exit_code)
     except BnlitError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(e.exit_code)

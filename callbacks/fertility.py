@@ -1,13 +1,15 @@
 """``FertilityCheck``: at the start of a run (the first ``fit``/``validate`` setup), measure each language's characters per token on its held-out
 slice, log it with the mixture's intended and delivered shares, and stop (or warn about) a run
 whose tokenizer starves a language or whose mixture no longer says what the config asked for.
+With ``parallel`` text configured it also measures the content-matched token premium and warns
+when it leaves ``premium_band``.
 
 The maths is :mod:`bnlit.fertility`; this callback only reads the data module's shard statistics
 (``split_stats``, ``val_tokens``, ``mixture``), logs, and decides whether to stop."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import lightning as L
 import numpy as np
@@ -54,14 +56,28 @@ class FertilityCheck(L.Callback):
         characters) fails the share check.
     check_shares: run the inverted/over-represented mixture checks.
     on_fail: ``raise`` (stop the run with a :class:`~bnlit.errors.TokenizerError`) or ``warn``.
+    parallel: ``{lang: file}`` of line-aligned translations (for example FLORES-200 dev
+        ``{bn: ben_Beng.dev, en: eng_Latn.dev}``); when given, the content-matched token premium
+        (Petrov et al. 2023) is measured on it, logged and checked against ``premium_band``.
+        ``None`` (the default): not measured.
+    premium_band: ``[low, high]``; a premium outside it, in either direction, is warned about.
     """
 
     def __init__(self, floors: Mapping[str, float] | None = None, max_factor: float = fertility.DEFAULT_MAX_FACTOR,
-                 check_shares: bool = True, on_fail: str = "raise"):
+                 check_shares: bool = True, on_fail: str = "raise", parallel: Mapping[str, str] | None = None,
+                 premium_band: Sequence[float] = fertility.DEFAULT_PREMIUM_BAND):
         if on_fail not in ON_FAIL:
             raise ConfigError(f"callbacks.fertility.on_fail={on_fail!r}: use one of {list(ON_FAIL)}")
         if max_factor <= 1.0:
             raise ConfigError(f"callbacks.fertility.max_factor={max_factor}: must be > 1")
+        band = list(premium_band)
+        if len(band) != 2 or not 0 < band[0] <= 1 <= band[1]:
+            raise ConfigError(f"callbacks.fertility.premium_band={band}: write [low, high] with 0 < low <= 1 <= high")
+        self.premium_band = (float(band[0]), float(band[1]))
+        # read now: a missing or misaligned file stops the run before any data is built
+        self.parallel = dict(parallel) if parallel else None
+        self.parallel_texts = (fertility.read_parallel(self.parallel, "callbacks.fertility.parallel")
+                               if self.parallel else None)
         self.floors = dict(fertility.DEFAULT_FLOORS if floors is None else floors)
         self.max_factor, self.check_shares, self.on_fail = max_factor, check_shares, on_fail
         self.result: dict | None = None
@@ -93,8 +109,15 @@ class FertilityCheck(L.Callback):
                 sum(st["tokens"] - st["docs"] for st in train if st["language"] == lang)) for lang in langs}
             problems += fertility.share_verdicts(mixture["intended"], mixture["tokens"], mixture["chars"], cpt,
                                                  max_factor=self.max_factor, unit=mixture["unit"])
-        self.result, self.problems = {"validation": val, "mixture": mixture}, problems
-        self._log(trainer, val, mixture)
+        parallel = None
+        if self.parallel_texts:
+            parallel = fertility.report(self.parallel_texts, dm.tokenizer, parallel=True)
+            source = "parallel text " + ", ".join(f"{k}={v}" for k, v in self.parallel.items())
+            for p in fertility.premium_verdicts({k: v["premium"] for k, v in parallel.items()}, self.premium_band,
+                                                source):
+                rank_zero_warn(p)  # a premium off balance is a warning, never a stop
+        self.result, self.problems = {"validation": val, "mixture": mixture, "parallel": parallel}, problems
+        self._log(trainer, val, mixture, parallel)
         if problems:
             if self.on_fail == "raise":
                 raise TokenizerError(" | ".join(problems))
@@ -104,8 +127,11 @@ class FertilityCheck(L.Callback):
             rank_zero_info("FertilityCheck: " + ", ".join(f"{k} {v['chars_per_token']:.2f} chars/token"
                                                           for k, v in val.items()))
 
-    def _log(self, trainer: L.Trainer, val: dict, mixture: dict | None) -> None:
+    def _log(self, trainer: L.Trainer, val: dict, mixture: dict | None, parallel: dict | None = None) -> None:
         metrics = {}
+        for lang, v in (parallel or {}).items():
+            metrics[f"tok/{lang}_parallel_chars_per_token"] = v["chars_per_token"]
+            metrics[f"tok/{lang}_parallel_premium"] = v["premium"]
         for lang, v in val.items():
             metrics[f"tok/{lang}_chars_per_token"] = v["chars_per_token"]
             metrics[f"tok/{lang}_premium"] = v["premium"]
@@ -118,9 +144,12 @@ class FertilityCheck(L.Callback):
             for lg in trainer.loggers:
                 lg.log_metrics(metrics, step=trainer.global_step)
         columns = ["language", "chars_per_token", "premium", "byte_fallback_rate", "unk_rate",
-                   "intended_share", "token_share", "char_share", "weight_unit"]
+                   "intended_share", "token_share", "char_share", "weight_unit",
+                   "parallel_chars_per_token", "parallel_premium"]
+        par = parallel or {}
         rows = [[lang, v["chars_per_token"], v["premium"], v["byte_fallback_rate"], v["unk_rate"],
                  *((mixture["intended"].get(lang), mixture["tokens"].get(lang), mixture["chars"].get(lang),
-                    mixture["unit"]) if mixture else (None, None, None, None))]
+                    mixture["unit"]) if mixture else (None, None, None, None)),
+                 par.get(lang, {}).get("chars_per_token"), par.get(lang, {}).get("premium")]
                 for lang, v in val.items()]
         log_table(trainer, "tok/fertility", columns, rows)

@@ -1,18 +1,24 @@
 """``GradientFlowArbiter``: turn a parameter that silently stops learning into a named error.
 
-A thin adapter over :mod:`bnlit.gradient_flow`. At fit start it checks param-group membership; at the
-first optimizer step and then every ``every_n_steps`` it checks the gradients (in
-``on_before_optimizer_step``: after the last micro-batch of an accumulated step, after AMP
-unscaling, before clipping), compares the fast path with an eager fp32 copy on the step's batch,
-snapshots the parameters and checks after the step that each one changed. Every check reaches one
-verdict on all ranks (an all-reduce), so under DDP/FSDP all ranks fail together instead of one
-rank raising while the others wait in the next collective.
+A thin adapter over :mod:`bnlit.gradient_flow`. At fit start it checks optimizer membership. Every
+optimizer step (in ``on_before_optimizer_step``: after the last micro-batch of an accumulated
+step, after AMP unscaling, before clipping) the :class:`~bnlit.gradient_flow.GradientSentinel` takes
+one fused norm pass over the gradients; it is read every step on CPU and on logging steps on CUDA
+(the only host sync). At the first step, every ``every_n_steps`` and at once when the sentinel
+trips, the full check runs: gradients (missing, non-finite, zero, vanishing, dead rows),
+membership, the fast path against the eager fp32 reference (first check; the module's own loss
+through ``pl_module.loss_for_batch(batch)``), and after the step that each parameter changed.
+Every check reaches one verdict on all ranks (an all-reduce), so under DDP/FSDP all ranks fail
+together instead of one rank raising while the others wait in the next collective. The report,
+``<checkpoint dir>/gradient_flow.json``, is written only when a check fails.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
+import time
 from pathlib import Path
 from typing import Any, Literal
 
@@ -20,35 +26,37 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
-from lightning_utilities.core.apply_func import apply_to_collection
 
-from bnlit.errors import BnlitError
+from bnlit.errors import BnlitError, ConfigError
 from bnlit.gradient_flow import (
+    CATEGORIES,
+    DEAD_ROW_SHARE,
+    VANISHING_FACTOR,
+    GradientSentinel,
+    allowed,
+    embedding_row_exempt,
     fast_path_parity,
     gradient_flow_report,
     param_group_report,
+    slice_batch,
     snapshot_parameters,
     total_grad_norm,
     update_flow_report,
 )
-from bnlit.module import next_token_loss
 from bnlit.reporting import write_json_atomic
 
 log = logging.getLogger("bnlit")
 
 REPORT_NAME = "gradient_flow.json"
 MAX_DEFERRED = 10  # consecutive fp16 overflow steps tolerated before non-finite gradients fail
+PROBE_HOOK = "loss_for_batch"
+ALLOW_CATEGORIES = ("vanishing", "dead_rows", "frozen_in_optimizer")
 
 
 class GradientFlowError(BnlitError):
-    """A trainable parameter gets no gradient, a non-finite or all-zero one, no update, or a fast
-    path gradient that disagrees with the eager fp32 reference."""
-
-
-def lm_probe_loss(model: torch.nn.Module, batch) -> torch.Tensor:
-    """The training loss of :class:`bnlit.module.LMModule` on an ``(x, y)`` batch."""
-    x, y = batch
-    return next_token_loss(model(x), y)
+    """A trainable parameter gets no gradient, a non-finite, all-zero, vanishing or partly dead
+    one, no update, sits frozen in an optimizer group, or gets a fast-path gradient that disagrees
+    with the eager fp32 reference."""
 
 
 def checkpoint_dir(trainer: L.Trainer) -> Path:
@@ -66,20 +74,31 @@ def _is_sharded(trainer: L.Trainer) -> bool:
 
 class GradientFlowArbiter(Callback):
     """Args:
-    every_n_steps: check at optimizer step 1 and then every this many steps. The default keeps
-        the overhead at or below 1% of step time on CPU (figures in the README).
+    every_n_steps: the full check at optimizer step 1 and then every this many steps (and at
+        once whenever the every-step sentinel trips).
     on_fail: ``"raise"`` a :class:`GradientFlowError` (after writing the report) or ``"warn"``.
     check_updates: snapshot the parameters on check steps and verify the optimizer changed each.
     fast_path_parity: compare the configured fast path (precision plugin's autocast, compiled
-        model, fused kernels) with an eager fp32 copy on the first check step's batch.
+        model, fused kernels) with the eager fp32 reference on the first check step's batch,
+        through ``pl_module.loss_for_batch(batch) -> scalar loss``; a module without that hook
+        gets the probe skipped with one log line.
     parity_every_n_steps: repeat the parity check this often (None: first check only; it costs
-        two extra forward/backward passes and a copy of the model).
+        two extra forward/backward passes of the probe batch).
     min_cosine, max_rel_norm_error: per-parameter parity tolerances.
-    probe_samples: the parity probe uses the first this many sequences of the step's batch.
+    probe_samples: the probe uses the first this many sequences of the step's last micro-batch.
+    probe_seq_len: and the first this many positions of each (dim 1 of 2+-dim tensors; None:
+        all). The eager fp32 reference with math attention is quadratic in it: the bound is
+        ``bnlit.flops.parity_probe_memory_bytes`` (printed by ``python -m bnlit.info``).
     log_param_norms: log ``grad/<parameter>`` norms on check steps (``grad/norm`` is logged on
         every logging step either way).
-    probe_loss: ``loss(model, batch) -> scalar`` for parity; default: next-token loss of
-        ``pl_module.model`` on an ``(x, y)`` batch.
+    sentinel: run the every-step sentinel (missing, non-finite, zero and vanishing gradients,
+        frozen parameters in an optimizer group) between full checks.
+    vanishing_factor: a gradient-to-weight norm ratio this many times below the median of all
+        parameters is ``vanishing``.
+    dead_row_share: a matrix with at least this share of exactly-zero gradient rows is
+        ``dead_rows``.
+    allow: ``{category: [fnmatch patterns of parameter names]}`` exempt from ``vanishing``,
+        ``dead_rows`` or ``frozen_in_optimizer`` (names as ``pl_module.named_parameters()``).
     """
 
     def __init__(
@@ -91,16 +110,33 @@ class GradientFlowArbiter(Callback):
         parity_every_n_steps: int | None = None,
         min_cosine: float = 0.99,
         max_rel_norm_error: float = 0.05,
-        probe_samples: int = 4,
+        probe_samples: int | None = 4,
+        probe_seq_len: int | None = None,
         log_param_norms: bool = True,
-        probe_loss=None,
+        sentinel: bool = True,
+        vanishing_factor: float = VANISHING_FACTOR,
+        dead_row_share: float = DEAD_ROW_SHARE,
+        allow: dict[str, list[str]] | None = None,
     ):
+        where = "callbacks.gradient_flow"
         if every_n_steps < 1:
-            raise ValueError(f"callbacks.gradient_flow.every_n_steps={every_n_steps}: must be >= 1")
+            raise ConfigError(f"{where}.every_n_steps={every_n_steps}: must be >= 1")
         if on_fail not in ("raise", "warn"):
-            raise ValueError(f"callbacks.gradient_flow.on_fail={on_fail!r}: use 'raise' or 'warn'")
+            raise ConfigError(f"{where}.on_fail={on_fail!r}: use 'raise' or 'warn'")
         if parity_every_n_steps is not None and parity_every_n_steps < 1:
-            raise ValueError(f"callbacks.gradient_flow.parity_every_n_steps={parity_every_n_steps}: must be >= 1 or null")
+            raise ConfigError(f"{where}.parity_every_n_steps={parity_every_n_steps}: must be >= 1 or null")
+        if not vanishing_factor > 1:
+            raise ConfigError(f"{where}.vanishing_factor={vanishing_factor}: must be > 1 (the default is {VANISHING_FACTOR:g})")
+        if not 0 < dead_row_share <= 1:
+            raise ConfigError(f"{where}.dead_row_share={dead_row_share}: must be in (0, 1] (the default is {DEAD_ROW_SHARE})")
+        for key, value in (("probe_samples", probe_samples), ("probe_seq_len", probe_seq_len)):
+            if value is not None and value < 1:
+                raise ConfigError(f"{where}.{key}={value}: must be >= 1 or null (all)")
+        allow = {k: list(v or []) for k, v in dict(allow or {}).items()}
+        unknown = sorted(set(allow) - set(ALLOW_CATEGORIES))
+        if unknown:
+            raise ConfigError(f"{where}.allow has unknown categor{'y' if len(unknown) == 1 else 'ies'} {unknown}: "
+                             f"use {list(ALLOW_CATEGORIES)}")
         self.every_n_steps = every_n_steps
         self.on_fail = on_fail
         self.check_updates = check_updates
@@ -108,16 +144,21 @@ class GradientFlowArbiter(Callback):
         self.parity_every_n_steps = parity_every_n_steps
         self.min_cosine = min_cosine
         self.max_rel_norm_error = max_rel_norm_error
-        self.probe_samples = probe_samples
+        self.probe_samples, self.probe_seq_len = probe_samples, probe_seq_len
         self.log_param_norms = log_param_norms
-        self.probe_loss = probe_loss or lm_probe_loss
-        self.checks = 0  # gradient checks run in this fit
+        self.sentinel = sentinel
+        self.vanishing_factor, self.dead_row_share, self.allow = vanishing_factor, dead_row_share, allow
+        self.checks = 0  # full checks run in this fit
+        self.sentinel_trips = 0  # full checks the sentinel asked for
+        self.sentinel_seconds, self.sentinel_steps = 0.0, 0  # its own cost, for scripts/bench.py
         self.last_report: dict[str, Any] | None = None
-        self._batch = None
+        self._batches: collections.deque = collections.deque(maxlen=64)  # this step's micro-batches
+        self._sentinel = GradientSentinel(vanishing_factor)
+        self._grouped: list[tuple[str, torch.Tensor]] = []
         self._snapshot = None
         self._spare = None
         self._snapshot_step = -1
-        self._checked_step = -1
+        self._seen_step = -1
         self._parity_done = False
         self._deferred = 0
         self._payload: dict[str, Any] = {}
@@ -130,10 +171,6 @@ class GradientFlowArbiter(Callback):
             return None
         return lambda t, op: trainer.strategy.reduce(t, reduce_op=op)
 
-    def _is_check_step(self, step: int) -> bool:
-        # the first step of every fit (a resumed one too), a deferred check, then the cadence
-        return self.checks == 0 or self._deferred > 0 or step % self.every_n_steps == 0
-
     def _parity_due(self, trainer: L.Trainer, step: int) -> bool:
         if not self.fast_path_parity or _is_sharded(trainer):
             return False  # FSDP: the eager reference would need the whole unsharded model
@@ -141,23 +178,22 @@ class GradientFlowArbiter(Callback):
             return True
         return self.parity_every_n_steps is not None and step % self.parity_every_n_steps == 0
 
-    def _fail(self, trainer: L.Trainer, step: int, check: str, problems: dict[str, str], payload: dict) -> None:
+    def _fail(self, trainer: L.Trainer, step: int, check: str, findings: list[dict], payload: dict) -> None:
         path = checkpoint_dir(trainer) / REPORT_NAME
-        payload = {"step": step, "check": check, "ok": False, "problems": problems, **payload}
+        problems: dict[str, str] = {}
+        for f in findings:
+            line = f"[{f['category']}] {f['message']}"
+            problems[f["parameter"]] = f"{problems[f['parameter']]}; {line}" if f["parameter"] in problems else line
+        payload = {**payload, "step": step, "check": check, "ok": False, "findings": findings, "problems": problems}
         self.last_report = payload
         if trainer.is_global_zero:
             write_json_atomic(path, payload)
-        lines = "; ".join(f"{name}: {why}" for name, why in problems.items())
+        lines = "; ".join(f"{name} {why}" for name, why in problems.items())
         message = (f"{check} failed at step {step} for {len(problems)} parameter(s): {lines}. "
                    f"Full report: {path}")
         if self.on_fail == "raise":
             raise GradientFlowError(message)
         rank_zero_warn(message)
-
-    def _save(self, trainer: L.Trainer, payload: dict) -> None:
-        self.last_report = payload
-        if trainer.is_global_zero:
-            write_json_atomic(checkpoint_dir(trainer) / REPORT_NAME, payload)
 
     def _log_metrics(self, trainer: L.Trainer, metrics: dict[str, float]) -> None:
         # check steps need not be logging steps: write straight to the loggers
@@ -168,36 +204,74 @@ class GradientFlowArbiter(Callback):
     # -- hooks ---------------------------------------------------------------------------------
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.checks, self._parity_done, self._checked_step, self._deferred = 0, False, -1, 0
-        report = param_group_report(pl_module.named_parameters(), trainer.optimizers)
+        self.checks, self.sentinel_trips, self._parity_done, self._seen_step, self._deferred = 0, 0, False, -1, 0
+        self.sentinel_seconds, self.sentinel_steps = 0.0, 0
+        self._sentinel = GradientSentinel(self.vanishing_factor, sharded=_is_sharded(trainer))
+        self._batches.clear()
+        ids = {id(p) for opt in trainer.optimizers for g in opt.param_groups for p in g["params"]}
+        self._grouped = [(n, p) for n, p in pl_module.named_parameters() if id(p) in ids]
+        if self.fast_path_parity and not callable(getattr(pl_module, PROBE_HOOK, None)) and trainer.is_global_zero:
+            log.info("fast-path parity: skipped, %s has no %s(batch) -> loss hook "
+                     "(see the README, \"Gradient flow (the arbiter)\")", type(pl_module).__name__, PROBE_HOOK)
+        report = param_group_report(pl_module.named_parameters(), trainer.optimizers, self.allow)
         reduce = self._reduce(trainer)
         if reduce is not None:
             bad = reduce(torch.tensor([0.0 if report.ok else 1.0], device=pl_module.device), "sum").item()
             if bad > 0 and report.ok:
                 # another rank's optimizer is mis-built: stop here too, so no rank waits for it
-                self._fail(trainer, trainer.global_step, "param-group check",
-                           {"(all parameters)": f"the optimizer is mis-built on {int(bad)} other rank(s)"}, {})
+                self._fail(trainer, trainer.global_step, "param-group check", [dict(
+                    category="not_in_optimizer", parameter="(all parameters)", figure=None, threshold=None,
+                    message=f"the optimizer is mis-built on {int(bad)} other rank(s)")], {})
         if not report.ok:
-            self._fail(trainer, trainer.global_step, "param-group check", report.problems(),
+            self._fail(trainer, trainer.global_step, "param-group check", report.findings(),
                        {"param_groups": report.to_dict()})
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
-        if self.fast_path_parity and (not self._parity_done or self.parity_every_n_steps):
-            self._batch = batch  # a reference, for the parity probe of the coming optimizer step
+        self._batches.append(batch)  # a reference: the probe batch, and the tokens present (dead rows)
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer) -> None:
         step = trainer.global_step + 1  # the optimizer step about to be taken, 1-based
-        if step == self._checked_step:
+        if step == self._seen_step:
             return  # a second optimizer of the same step
-        if getattr(trainer._logger_connector, "should_update_logs", False):
-            norm = total_grad_norm(pl_module.named_parameters())
+        self._seen_step = step
+        try:
+            self._on_step(trainer, pl_module, step)
+        finally:
+            self._batches.clear()
+
+    def _on_step(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
+        reduce, world = self._reduce(trainer), trainer.world_size
+        logging_step = step % max(1, trainer.log_every_n_steps) == 0
+        t0 = time.perf_counter()
+        norm = self._sentinel.observe(pl_module.named_parameters(), step) if self.sentinel else None
+        if logging_step:
+            norm = norm if self.sentinel else total_grad_norm(pl_module.named_parameters())
             if norm is not None:
                 pl_module.log("grad/norm", norm, on_step=True, on_epoch=False)
-        if not self._is_check_step(step):
-            return
-        self._checked_step = step
-        reduce, sharded, world = self._reduce(trainer), _is_sharded(trainer), trainer.world_size
-        report = gradient_flow_report(pl_module.named_parameters(), reduce=reduce, sharded=sharded, world_size=world)
+        tripped = False
+        if self.sentinel:
+            frozen = any(not p.requires_grad for _, p in self._grouped)
+            if world == 1 and (frozen or self._sentinel.missing):
+                tripped = True  # known on the host: no sync needed
+            elif pl_module.device.type == "cpu" or logging_step:
+                tripped = self._sentinel.tripped(reduce, extra=frozen)
+            self.sentinel_seconds += time.perf_counter() - t0  # host time (CUDA: launches, not kernels)
+            self.sentinel_steps += 1
+        due = self.checks == 0 or self._deferred > 0 or step % self.every_n_steps == 0
+        if tripped and not due:
+            self.sentinel_trips += 1
+        if due or tripped:
+            self._full_check(trainer, pl_module, step, reduce)
+
+    def _full_check(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int, reduce) -> None:
+        sharded, world = _is_sharded(trainer), trainer.world_size
+        named = list(pl_module.named_parameters())
+        membership = param_group_report(named, trainer.optimizers, self.allow)
+        report = gradient_flow_report(named, reduce=reduce, sharded=sharded, world_size=world,
+                                      vanishing_factor=self.vanishing_factor, dead_row_share=self.dead_row_share,
+                                      row_exempt=embedding_row_exempt(pl_module, list(self._batches)), allow=self.allow)
+        seen = self._sentinel.findings(reduce) if self.sentinel else {}
+        self._sentinel.reset()
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         if report.nonfinite and scaler is not None and self._deferred < MAX_DEFERRED:
             # fp16 loss scaling: the GradScaler skips this step and lowers the scale; not (yet) a fault
@@ -207,50 +281,69 @@ class GradientFlowArbiter(Callback):
             return
         self._deferred = 0
         self.checks += 1
-        payload: dict[str, Any] = {"step": step, "gradients": report.to_dict()}
-        if self.log_param_norms:
-            metrics = {f"grad/{n}": v for n, v in report.norms.items() if math.isfinite(v)}
-            self._log_metrics(trainer, metrics)
-        problems = report.problems()
+        self._sentinel.set_weight_norms(report.weight_norms,
+                                        [n for n in report.names if allowed(n, self.allow.get("vanishing"))])
+        findings = [{**f, "step": step} for f in membership.findings() + report.findings()]
+        named_now = {f["parameter"] for f in findings}
+        for name, (category, first) in seen.items():
+            if first < step and name not in named_now and category in CATEGORIES:
+                findings.append(dict(category=category, parameter=name, figure=None, threshold=None, step=first, message=(
+                    f"{category} gradient at step {first}, seen by the every-step sentinel (gone by the full check "
+                    f"at step {step})")))
+        payload: dict[str, Any] = {"step": step, "gradients": report.to_dict(), "param_groups": membership.to_dict(),
+                                   "sentinel": {n: {"category": c, "first_step": s} for n, (c, s) in seen.items()}}
         if self.checks == 1 and trainer.is_global_zero:
             log.info("gradient flow: %d/%d parameters ok at step %d (grad norm %.4g)",
                      report.num_ok, len(report.names), step, report.total_norm)
-        if self._parity_due(trainer, step) and self._batch is not None:
-            parity = self._parity(trainer, pl_module, reduce)
-            self._parity_report = {"step": step, "precision": str(trainer.precision), **parity.to_dict()}
-            self._log_metrics(trainer, {"grad/parity_min_cosine": parity.worst_cosine,
-                                        "grad/parity_max_rel_norm_error": parity.worst_rel_norm_error})
-            if trainer.is_global_zero:
-                log.info("fast-path parity (%s%s): %d/%d parameters within tolerance (min cosine %.5f, "
-                         "max relative norm error %.4f)", trainer.precision,
-                         ", compiled" if getattr(pl_module, "compile", False) else "", parity.num_ok,
-                         len(parity.names), parity.worst_cosine, parity.worst_rel_norm_error)
-            prefix = "model." if hasattr(pl_module, "model") else ""
-            problems |= {prefix + n: why for n, why in parity.problems().items() if prefix + n not in problems}
+        if self._parity_due(trainer, step):
+            findings += self._parity(trainer, pl_module, reduce, step)
         if self._parity_report is not None:
             payload["fast_path_parity"] = self._parity_report
-        self._payload = {**payload, "ok": not problems}
-        if problems:
-            self._fail(trainer, step, "gradient-flow check", problems, payload)
+        self._payload = {**payload, "ok": not findings}
+        if findings:
+            self._fail(trainer, step, "gradient-flow check", findings, payload)
         else:
-            self._save(trainer, self._payload)
+            self.last_report = self._payload
+        if self.log_param_norms:
+            self._log_metrics(trainer, {f"grad/{n}": v for n, v in report.norms.items() if math.isfinite(v)})
         if self.check_updates:
-            self._snapshot = snapshot_parameters(pl_module.named_parameters(), trainer.optimizers, reuse=self._spare)
+            self._snapshot = snapshot_parameters(named, trainer.optimizers, reuse=self._spare)
             self._snapshot_step = step
 
-    def _parity(self, trainer: L.Trainer, pl_module: L.LightningModule, reduce):
+    def _parity(self, trainer: L.Trainer, pl_module: L.LightningModule, reduce, step: int) -> list[dict]:
+        """Run the probe; a probe that cannot run is logged and skipped, never a crash, and never
+        hides the verdict the gradient check already reached."""
         self._parity_done = True
-        model = getattr(pl_module, "model", pl_module)
-        was_training = model.training
+        hook = getattr(pl_module, PROBE_HOOK, None)
+        if not callable(hook) or not self._batches:
+            self._parity_report = {"step": step, "skipped": f"no {PROBE_HOOK}(batch) hook" if not callable(hook) else "no batch"}
+            return []
+        probe = slice_batch(self._batches[-1], self.probe_samples, self.probe_seq_len)
+        was_training = pl_module.training
         try:
-            probe = apply_to_collection(self._batch, torch.Tensor, lambda t: t[: self.probe_samples])
-            return fast_path_parity(
-                model, probe, self.probe_loss, fast_context=trainer.precision_plugin.forward_context(),
+            parity = fast_path_parity(
+                pl_module, probe, hook, fast_context=trainer.precision_plugin.forward_context(),
                 min_cosine=self.min_cosine, max_rel_norm_error=self.max_rel_norm_error, reduce=reduce,
             )
+        except Exception as e:  # noqa: BLE001 -- a diagnostic must not take the run down
+            reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            self._parity_report = {"step": step, "skipped": reason}
+            if trainer.is_global_zero:
+                log.warning("fast-path parity: probe skipped at step %d, %s.%s raised %s",
+                            step, type(pl_module).__name__, PROBE_HOOK, reason)
+            return []
         finally:
-            model.train(was_training)
-            self._batch = None
+            pl_module.train(was_training)
+        self._parity_report = {"step": step, "precision": str(trainer.precision), **parity.to_dict()}
+        self._log_metrics(trainer, {"grad/parity_min_cosine": parity.worst_cosine,
+                                    "grad/parity_max_rel_norm_error": parity.worst_rel_norm_error})
+        if trainer.is_global_zero:
+            log.info("fast-path parity (%s%s): %d/%d parameters within tolerance (min cosine %.5f, "
+                     "max relative norm error %.4f)", trainer.precision,
+                     ", compiled" if getattr(pl_module, "compile", False) is True else "", parity.num_ok,
+                     len(parity.names), parity.worst_cosine, parity.worst_rel_norm_error)
+        return [dict(category="fast_path_parity", parameter=n, figure=parity.cosine[n], threshold=self.min_cosine,
+                     step=step, message=why) for n, why in parity.problems().items()]
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
         if self._snapshot is None or trainer.global_step < self._snapshot_step:
@@ -266,122 +359,16 @@ class GradientFlowArbiter(Callback):
             log.info("update flow: %d/%d parameters updated at step %d%s", report.num_ok, len(report.names),
                      step, skipped)
         if not report.ok:
-            self._fail(trainer, step, "update-flow check", report.problems(), payload)
+            findings = [dict(category="update", parameter=n, figure=report.update_ratio.get(n), threshold=None,
+                             step=step, message=why) for n, why in report.problems().items()]
+            self._fail(trainer, step, "update-flow check", findings, payload)
         else:
-            self._save(trainer, payload)
+            self.last_report = payload
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._snapshot, self._spare, self._batch = None, None, None
+        self._snapshot, self._spare = None, None
+        self._batches.clear()
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        self._snapshot, self._spare, self._batch = None, None, None
-
-
-# -- overhead measurement ---------------------------------------------------------------------------
-
-
-class _StepTimer(Callback):
-    """Wall time between consecutive ``on_train_batch_end`` calls (one optimizer step each)."""
-
-    def __init__(self):
-        self.times: list[float] = []  # times[i] is optimizer step i + 1
-        self._last: float | None = None
-
-    def on_train_start(self, trainer, pl_module):
-        import time
-
-        self._last = time.perf_counter()
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        import time
-
-        now = time.perf_counter()
-        self.times.append(now - self._last)
-        self._last = now
-
-
-def measure_overhead(
-    preset: str = "tiny", steps: int = 101, cadences: tuple[int | None, ...] = (None, 50, 1), repeats: int = 2,
-    batch_size: int = 16, seq_len: int = 256, threads: int | None = None, seed: int = 0,
-) -> dict[str, Any]:
-    """Mean optimizer-step time of a CPU fit of ``conf/model/<preset>.yaml`` on random tokens
-    without the arbiter (``None``) and with it at each cadence, runs alternating ``repeats``
-    times. Step 1 (membership, first check and the one-time parity probe) is reported apart;
-    the steady-state mean covers steps 2..``steps``, check steps included."""
-    from functools import partial
-    from statistics import mean, median
-
-    from hydra.utils import instantiate
-    from omegaconf import OmegaConf
-    from torch.utils.data import DataLoader, TensorDataset
-
-    from bnlit import CONF_DIR
-    from bnlit.module import LMModule
-
-    if threads:
-        torch.set_num_threads(threads)
-    preset_cfg = OmegaConf.load(CONF_DIR / "model" / f"{preset}.yaml")
-    n_tokens = batch_size * (seq_len + 1) * steps
-    data = torch.randint(0, preset_cfg.model.config.vocab_size, (n_tokens,), generator=torch.Generator().manual_seed(seed))
-    data = data.view(batch_size * steps, seq_len + 1)
-    loader = DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=batch_size)
-    times: dict[str, list[float]] = {}
-    first: dict[str, list[float]] = {}
-    check_cost: dict[str, list[float]] = {}
-    for _ in range(repeats):
-        for cadence in cadences:
-            torch.manual_seed(seed)
-            model = instantiate(preset_cfg.model)
-            module = LMModule(model, optimizer=partial(torch.optim.AdamW, lr=float(preset_cfg.optimizer.lr),
-                                                       weight_decay=0.1, betas=(0.9, 0.95)))
-            timer = _StepTimer()
-            cbs = [] if cadence is None else [GradientFlowArbiter(every_n_steps=cadence)]
-            trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False,
-                                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                                gradient_clip_val=1.0, callbacks=[*cbs, timer], default_root_dir="/tmp/bnlit_gradflow_bench")
-            logging.getLogger("bnlit").setLevel(logging.WARNING)
-            trainer.fit(module, train_dataloaders=loader)
-            key = "off" if cadence is None else f"every_{cadence}"
-            first.setdefault(key, []).append(timer.times[0])
-            times.setdefault(key, []).append(mean(timer.times[1:]))
-            if cadence is not None and cadence > 1:  # paired within the run: check steps vs the others
-                checked = [t for i, t in enumerate(timer.times[1:], 2) if i % cadence == 0]
-                others = [t for i, t in enumerate(timer.times[1:], 2) if i % cadence != 0]
-                check_cost.setdefault(key, []).append(mean(checked) - median(others))
-    base, base_first = mean(times["off"]), mean(first["off"])
-    out: dict[str, Any] = {"preset": preset, "steps": steps, "batch_size": batch_size, "seq_len": seq_len,
-                           "threads": torch.get_num_threads(), "repeats": repeats,
-                           "step_s": {k: mean(v) for k, v in times.items()},
-                           "step_s_runs": times, "first_step_s": {k: mean(v) for k, v in first.items()}}
-    out["overhead"] = {k: mean(v) / base - 1.0 for k, v in times.items() if k != "off"}
-    out["first_step_extra_s"] = {k: mean(v) - base_first for k, v in first.items() if k != "off"}
-    # one check's cost spread over its cadence: the overhead estimate least sensitive to machine noise
-    out["check_s"] = {k: mean(v) for k, v in check_cost.items()}
-    out["overhead_from_check_cost"] = {k: mean(v) / (int(k.split("_")[1]) * base) for k, v in check_cost.items()}
-    return out
-
-
-if __name__ == "__main__":
-    import argparse
-
-    ap = argparse.ArgumentParser(description="Step-time overhead of GradientFlowArbiter (CPU, one process)")
-    ap.add_argument("--preset", default="tiny")
-    ap.add_argument("--steps", type=int, default=101)
-    ap.add_argument("--cadences", default="50,1", help="comma-separated every_n_steps values to time")
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--threads", type=int, default=None)
-    args = ap.parse_args()
-    result = measure_overhead(args.preset, args.steps, (None, *map(int, args.cadences.split(","))), args.repeats,
-                              args.batch_size, args.seq_len, args.threads)
-    import json
-
-    print(json.dumps(result, indent=2))
-    for k, v in result["overhead"].items():
-        line = (f"{args.preset}: {k}: {100 * v:+.2f}% mean step time (off {result['step_s']['off'] * 1e3:.1f} ms, "
-                f"with {result['step_s'][k] * 1e3:.1f} ms); first step +{result['first_step_extra_s'][k]:.3f} s")
-        if k in result["check_s"]:
-            line += (f"; one check {result['check_s'][k] * 1e3:.1f} ms = "
-                     f"{100 * result['overhead_from_check_cost'][k]:.2f}% at this cadence")
-        print(line)
+        self._snapshot, self._spare = None, None
+        self._batches.clear()

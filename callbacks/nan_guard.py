@@ -57,6 +57,8 @@ class NaNGuard(L.Callback):
         grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
         if self.check_grads and grads:
             norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+            if hasattr(norm, "full_tensor"):  # FSDP2: a norm of sharded DTensor gradients, reduced here
+                norm = norm.full_tensor()
             loss_v, norm_v = torch.stack([loss, norm.to(loss.device, loss.dtype)]).tolist()
         else:
             loss_v, norm_v = loss.item(), None

@@ -35,7 +35,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
-from bnlit.errors import BnlitError
+from bnlit.errors import BnlitError, ConfigError
 from bnlit.flops import flops_per_token
 from bnlit.throughput import Peak, StepTimer, resolve_peak, throughput_stats
 
@@ -95,14 +95,14 @@ class ThroughputMonitor(Callback):
         clock: Callable[[], float] = time.perf_counter,
     ):
         if on_low_mfu not in ("warn", "raise"):
-            raise ValueError(f"callbacks.throughput.on_low_mfu={on_low_mfu!r}: use 'warn' or 'raise'")
+            raise ConfigError(f"callbacks.throughput.on_low_mfu={on_low_mfu!r}: use 'warn' or 'raise'")
         for name, v in (("min_mfu_pct", min_mfu_pct), ("cpu_min_mfu_pct", cpu_min_mfu_pct)):
             if v is not None and not 0 < v <= 100:
-                raise ValueError(f"callbacks.throughput.{name}={v}: a percentage in (0, 100], or null to turn it off")
+                raise ConfigError(f"callbacks.throughput.{name}={v}: a percentage in (0, 100], or null to turn it off")
         if log_every_n_steps is not None and log_every_n_steps < 1:
-            raise ValueError(f"callbacks.throughput.log_every_n_steps={log_every_n_steps}: must be >= 1 or null")
+            raise ConfigError(f"callbacks.throughput.log_every_n_steps={log_every_n_steps}: must be >= 1 or null")
         if patience < 1 or warmup_steps < 0:
-            raise ValueError("callbacks.throughput: patience must be >= 1 and warmup_steps >= 0")
+            raise ConfigError("callbacks.throughput: patience must be >= 1 and warmup_steps >= 0")
         self.timer = StepTimer(window_steps, clock)
         self.log_every_n_steps = log_every_n_steps
         self.min_mfu_pct, self.cpu_min_mfu_pct = min_mfu_pct, cpu_min_mfu_pct

@@ -107,7 +107,13 @@ def lightning_run(cfg: DictConfig, datamodule, warmup: int, steps: int, train_da
     trainer: L.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
     trainer.fit(module, datamodule=datamodule, train_dataloaders=train_dataloaders)
     mfu = next((c for c in callbacks if type(c).__name__ == "ThroughputMonitor"), None)
-    return {"tokens_per_s": clock.tokens_per_s, "monitor": dict(mfu.last) if mfu else {}}
+    arbiter = next((c for c in callbacks if type(c).__name__ == "GradientFlowArbiter"), None)
+    out = {"tokens_per_s": clock.tokens_per_s, "monitor": dict(mfu.last) if mfu else {}}
+    if arbiter is not None and arbiter.sentinel_steps:
+        # measured inside the same run: the sentinel's own time per step over the mean step time
+        step_s = cfg.data.batch_size * cfg.data.seq_len / clock.tokens_per_s
+        out["sentinel_share"] = arbiter.sentinel_seconds / arbiter.sentinel_steps / step_s
+    return out
 
 
 def raw_run(cfg: DictConfig, datamodule, warmup: int, steps: int) -> dict:
@@ -159,7 +165,7 @@ def cpu_bench(args, run_root: Path) -> dict:
 
     order = ["raw", *variants]
     tps: dict[str, list[float]] = {k: [] for k in order}
-    data_share, monitor = [], {}
+    data_share, monitor, sentinel_share = [], {}, []
     for rep in range(args.reps):
         for name in order[rep % len(order):] + order[: rep % len(order)]:  # rotate who goes first
             if name == "raw":
@@ -169,6 +175,7 @@ def cpu_bench(args, run_root: Path) -> dict:
                 r = lightning_run(cfgs[name], datamodule, args.warmup, args.steps)
                 if name == "lightning":
                     monitor = r["monitor"]
+                    sentinel_share += [r["sentinel_share"]] if "sentinel_share" in r else []
             tps[name].append(r["tokens_per_s"])
             print(f"rep {rep + 1}/{args.reps} {name:30s} {r['tokens_per_s']:10,.0f} tokens/s", file=sys.stderr, flush=True)
 
@@ -192,7 +199,7 @@ def cpu_bench(args, run_root: Path) -> dict:
         "lightning_vs_raw_of_medians": med["lightning"] / med["raw"],
         "lightning_vs_raw_best_of": best["lightning"] / best["raw"],
         "arbiter_overhead_ratio_default": None, "arbiter_overhead_ratio_every_step": None,
-        "arbiter_every_n_steps_default": None, "arbiter_note": note,
+        "arbiter_every_n_steps_default": None, "arbiter_sentinel_share": None, "arbiter_note": note,
         "data_loader_share": statistics.median(data_share),
         "lightning_data_wait_pct": monitor.get("perf/data_wait_pct"),
         "flops_per_token": fpt, "peak_flops": peak.flops, "peak_source": peak.source,
@@ -209,6 +216,8 @@ def cpu_bench(args, run_root: Path) -> dict:
         out["arbiter_overhead_ratio_every_step_best_of"] = (best["lightning_no_arbiter"]
                                                             / best["lightning_arbiter_every_step"])
         out["arbiter_every_n_steps_default"] = int(cfg.callbacks.gradient_flow.every_n_steps)
+        # the every-step sentinel's share of the default run's step time, timed within each run
+        out["arbiter_sentinel_share"] = statistics.median(sentinel_share) if sentinel_share else None
         out["arbiter_note"] = ("step-time ratio with/without GradientFlowArbiter; its one-time parity probe at "
                                "step 1 is in the untimed warm-up")
     return out
@@ -316,7 +325,9 @@ def main(argv: list[str] | None = None) -> dict:
               f"lightning_vs_raw {result['lightning_vs_raw']:.3f} (best of: {result['lightning_vs_raw_best_of']:.3f})")
         print(f"  arbiter step-time ratio: every {result['arbiter_every_n_steps_default']} steps "
               f"{fmt(result['arbiter_overhead_ratio_default'], '.3f')}, every step "
-              f"{fmt(result['arbiter_overhead_ratio_every_step'], '.3f')}")
+              f"{fmt(result['arbiter_overhead_ratio_every_step'], '.3f')}; every-step sentinel "
+              f"{fmt(None if result['arbiter_sentinel_share'] is None else 100 * result['arbiter_sentinel_share'], '.2f')}% "
+              f"of step time (timed within the default runs)")
         print(f"  data loader share of raw step time {100 * result['data_loader_share']:.1f}%; "
               f"Lightning data wait {fmt(result['lightning_data_wait_pct'], '.1f')}%")
         print(f"  MFU {result['mfu_cpu_pct_lightning']:.2f}% (raw {result['mfu_cpu_pct_raw']:.2f}%) of the measured "

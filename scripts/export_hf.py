@@ -4,8 +4,9 @@ generation_config.json, tokenizer.model + tokenizer_config.json).
     python scripts/export_hf.py --checkpoint CKPT --out DIR [--dtype float32|bfloat16|float16] [--overwrite]
 
 Load it with ``transformers.LlamaForCausalLM.from_pretrained(DIR)`` and
-``AutoTokenizer.from_pretrained(DIR)``. bnlit NFC-normalises text before encoding; do the same
-(``unicodedata.normalize("NFC", text)``) when you feed the exported tokenizer.
+``AutoTokenizer.from_pretrained(DIR)``. bnlit normalises text before encoding; do the same when you
+feed the exported tokenizer: ``tok.encode(bnlit.tokenizer.normalize(text))`` (NFC with য় ড় ঢ় as
+letter + nukta, legacy khanda-ta as ৎ, stray joiners and invisible controls removed).
 """
 
 from __future__ import annotations

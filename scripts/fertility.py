@@ -21,7 +21,7 @@ from bnlit import fertility
 from bnlit.errors import BnlitError, ConfigError
 
 COLUMNS = ("chars_per_token", "bytes_per_token", "tokens_per_word", "tokens", "chars",
-           "byte_fallback_rate", "unk_rate", "premium")
+           "byte_fallback_rate", "unk_rate", "mark_start_rate", "premium")
 
 
 def parse_lang(specs: list[str]) -> dict[str, Path]:

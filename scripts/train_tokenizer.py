@@ -11,7 +11,8 @@ when most are Latin (any Latin-script text counts as English), else the file is 
 non-empty line is a training sentence; a content-hash slice of the lines (``--heldout-fraction``,
 the same split rule as the data module's) is held out and only used for the card's fertility.
 ``--lang-weights`` resamples the training lines so each language has that share of the
-characters. The defaults are the recipe measured in the README ("Tokenizer fertility").
+characters. The defaults are ``conf/tokenizer/default.yaml``, the recipe measured in the README
+("Tokenizer fertility").
 """
 
 from __future__ import annotations
@@ -22,16 +23,23 @@ import sys
 import time
 from pathlib import Path
 
-from bnlit import fertility
+from omegaconf import OmegaConf
+
+from bnlit import CONF_DIR, fertility
 from bnlit.errors import BnlitError, ConfigError
 from bnlit.tokenizer import NORMALIZATION_RULES, Tokenizer, sample_by_language, train_tokenizer
 
 DETECT_CHARS = 200_000
 
 
-def parse_weights(spec: str | None) -> dict[str, float] | None:
-    """``"bn=0.8,en=0.2"`` -> ``{"bn": 0.8, "en": 0.2}``."""
-    if not spec:
+def default_recipe() -> dict:
+    """The tokenizer keys of ``conf/tokenizer/default.yaml``: the CLI's defaults."""
+    return OmegaConf.to_container(OmegaConf.load(Path(CONF_DIR) / "tokenizer" / "default.yaml"))
+
+
+def parse_weights(spec: str | None, flag: str = "--lang-weights") -> dict[str, float] | None:
+    """``"bn=0.8,en=0.2"`` -> ``{"bn": 0.8, "en": 0.2}``; ``"none"`` -> None."""
+    if not spec or spec.strip().lower() == "none":
         return None
     out = {}
     for part in spec.split(","):
@@ -41,9 +49,9 @@ def parse_weights(spec: str | None) -> dict[str, float] | None:
         except ValueError:
             sep = ""
         if not sep or not lang.strip() or out[lang.strip()] < 0:
-            raise ConfigError(f"--lang-weights {spec!r}: write LANG=WEIGHT[,LANG=WEIGHT...] with weights >= 0")
+            raise ConfigError(f"{flag} {spec!r}: write LANG=WEIGHT[,LANG=WEIGHT...] with weights >= 0")
     if sum(out.values()) <= 0:
-        raise ConfigError(f"--lang-weights {spec!r}: at least one weight must be positive")
+        raise ConfigError(f"{flag} {spec!r}: at least one weight must be positive")
     return out
 
 
@@ -76,6 +84,10 @@ def read_text(path: Path) -> str:
 def build(args: argparse.Namespace) -> dict:
     inputs = parse_inputs(args.input)
     weights = parse_weights(args.lang_weights)
+    if args.lang_weights is None:  # the recipe's weights, for the languages given
+        given = {lang for lang, _ in inputs}
+        weights = {k: v for k, v in (default_recipe()["lang_weights"] or {}).items() if k in given}
+        weights = weights if len(weights) > 1 else None
     from bnlit.data.shards import is_validation  # after the argument checks: it imports Lightning
     train_lines: dict[str, list[str]] = {}
     heldout: dict[str, list[str]] = {}
@@ -89,6 +101,19 @@ def build(args: argparse.Namespace) -> dict:
         s["bytes"] += sum(len(x.encode("utf-8")) for x in lines)
         for line in lines:
             (heldout if is_validation(line, args.heldout_fraction) else train_lines).setdefault(lang, []).append(line)
+    word_freq = parse_weights(args.word_frequencies, "--word-frequencies")
+    if args.word_frequencies is None:  # the recipe's, for the languages given
+        word_freq = {k: v for k, v in (default_recipe().get("word_frequencies") or {}).items() if k in train_lines}
+    real_lines = {lang: len(lines) for lang, lines in train_lines.items()}
+    word_chars = {}
+    for lang, ratio in (word_freq or {}).items():
+        if lang not in train_lines:
+            raise ConfigError(f"--word-frequencies names {lang}, but the inputs are {sorted(train_lines)}")
+        from bnlit.data.embedded import word_lines
+
+        extra = word_lines(lang, int(ratio * sum(map(len, train_lines[lang]))), seed=args.seed)
+        word_chars[lang] = sum(map(len, extra))
+        train_lines[lang] = train_lines[lang] + extra
     if weights and set(weights) - set(train_lines):
         raise ConfigError(f"--lang-weights names {sorted(set(weights) - set(train_lines))}, "
                           f"but the inputs are {sorted(train_lines)}")
@@ -101,7 +126,8 @@ def build(args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     model = train_tokenizer(sample, out / "tokenizer.model", vocab_size=args.vocab_size,
                             model_type=args.model_type, character_coverage=args.character_coverage,
-                            normalization=args.normalization, num_threads=args.num_threads)
+                            normalization=args.normalization, num_threads=args.num_threads,
+                            split_digits=args.split_digits)
     seconds = time.perf_counter() - t0
     tok = Tokenizer(model)
     total_sampled = sum(sampled_chars.values())
@@ -113,10 +139,13 @@ def build(args: argparse.Namespace) -> dict:
         "normalization": {"bnlit": "NFC", "sentencepiece_rule": NORMALIZATION_RULES[args.normalization],
                           "name": args.normalization},
         "character_coverage": args.character_coverage,
+        "split_digits": args.split_digits,
         "byte_fallback": True,
         "lang_weights": weights,
+        "word_frequencies": word_freq or None,
+        "word_text_chars": word_chars,
         "heldout_fraction": args.heldout_fraction,
-        "training_text": {lang: {**s, "train_lines": len(train_lines.get(lang, [])),
+        "training_text": {lang: {**s, "train_lines": real_lines.get(lang, 0),
                                  "heldout_lines": len(heldout.get(lang, [])),
                                  "sampled_chars": sampled_chars.get(lang, 0),
                                  "sampled_char_share": sampled_chars.get(lang, 0) / total_sampled if total_sampled else 0.0}
@@ -134,10 +163,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--input", nargs="+", required=True, metavar="[LANG=]FILE")
     p.add_argument("--vocab-size", type=int, required=True)
     p.add_argument("--out", required=True, metavar="DIR")
-    p.add_argument("--model-type", choices=("bpe", "unigram"), default="bpe")
-    p.add_argument("--lang-weights", default=None, metavar="bn=0.8,en=0.2")
-    p.add_argument("--character-coverage", type=float, default=0.9999)
-    p.add_argument("--normalization", choices=sorted(NORMALIZATION_RULES), default="nfc")
+    recipe = default_recipe()
+    p.add_argument("--model-type", choices=("bpe", "unigram"), default=recipe["model_type"])
+    p.add_argument("--lang-weights", default=None, metavar="bn=0.8,en=0.2",
+                   help="default: conf/tokenizer/default.yaml's lang_weights for the languages given; "
+                        "'none' keeps the text's own mix")
+    p.add_argument("--word-frequencies", default=None, metavar="bn=1.0",
+                   help="add wordfreq word text to a language's training lines, as a multiple of its characters "
+                        "(default: conf/tokenizer/default.yaml's word_frequencies; 'none' for none)")
+    p.add_argument("--character-coverage", type=float, default=recipe["character_coverage"])
+    p.add_argument("--normalization", choices=sorted(NORMALIZATION_RULES), default=recipe["normalization"])
+    p.add_argument("--split-digits", action=argparse.BooleanOptionalAction, default=recipe["split_digits"],
+                   help="every ASCII and Bangla digit its own token")
     p.add_argument("--heldout-fraction", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-threads", type=int, default=None)

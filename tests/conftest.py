@@ -4,6 +4,7 @@ helper that composes the real Hydra config with tiny CPU overrides."""
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -46,12 +47,36 @@ TINY = [
     "callbacks.fertility.floors.bn=1.5",
 ]
 
+# the GPU profiles' switches rehearsed on CPU (conf/debug/rehearsal.yaml will hold these)
+REHEARSAL = ["trainer.accelerator=cpu", "trainer.precision=32-true", "module.compile=false", "optimizer.fused=false",
+             "data.num_workers=0", "data.pin_memory=false"]
+
 
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("bnlit_cache")
     os.environ["BNLIT_CACHE"] = str(d)
     return d
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory):
+    """A running one-node SLURM cluster (tests/slurm_cluster.py). Skipped where it cannot start,
+    except under CI=true, where that fails the tests instead."""
+    from slurm_cluster import ClusterError, SlurmCluster
+
+    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
+    try:
+        cluster.start()
+    except (ClusterError, OSError, subprocess.SubprocessError) as e:
+        cluster.stop()
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"the SLURM test cluster did not start: {e}")
+        pytest.skip(f"no SLURM test cluster: {e}")
+    os.environ["SLURM_CONF"] = str(cluster.conf)
+    yield cluster
+    cluster.stop()
+    os.environ.pop("SLURM_CONF", None)
 
 
 @pytest.fixture

@@ -183,3 +183,230 @@ def test_unknown_guard_policy(cli, tmp_path):
     code, err = cli(tmp_path / "r", "callbacks.nan_guard.policy=ignore")
     assert code == 2
     assert only_error(err) == "error: callbacks.nan_guard.policy='ignore': use one of ['halt', 'skip']"
+
+
+# ---- validation before any expensive work (bnlit/validate.py) ---------------------------------
+# (overrides, the exact error line): each must come within seconds, before the corpus is cleaned,
+# the tokenizer trained or a shard built, and leave the (private) cache empty
+BAD_VALUES = [
+    (["threads=0"], "threads=0: must be auto or an integer >= 1; auto uses the idle cores; e.g. threads=1 on a busy machine"),
+    (["data.batch_size=0"], "data.batch_size=0: must be an integer >= 1; e.g. 16 windows per micro-batch"),
+    (["optimizer.lr=-1"], "optimizer.lr=-1: must be a finite number > 0; e.g. 3e-3 for the tiny preset"),
+    (["optimizer.lr=nan"], "optimizer.lr=nan: must be a finite number > 0; e.g. 3e-3 for the tiny preset"),
+    (["data.seq_len=0"], "data.seq_len=0: must be an integer >= 2; a window needs at least 2 tokens to predict "
+                         "one from another; e.g. 256"),
+    (["data.seq_len=1"], "data.seq_len=1: must be an integer >= 2; a window needs at least 2 tokens to predict "
+                         "one from another; e.g. 256"),
+    (["trainer.accumulate_grad_batches=0"],
+     "trainer.accumulate_grad_batches=0: must be an integer >= 1; use 1 for no gradient accumulation"),
+    (["trainer.max_steps=0"],
+     "trainer.max_steps=0: must be an integer >= 1; set it to the number of optimizer steps to train, e.g. 500"),
+    (["trainer.max_steps=-1"],
+     "trainer.max_steps=-1: must be an integer >= 1; set it to the number of optimizer steps to train, e.g. 500"),
+    (["trainer.val_check_interval=0"],
+     "trainer.val_check_interval=0: must be an integer >= 1 (optimizer steps); validate every N steps with an N >= 1"),
+    (["trainer.limit_val_batches=0"], "trainer.limit_val_batches=0: must be an integer >= 1 or a fraction in (0, 1]; "
+                                      "score at least one validation batch, e.g. 50"),
+    (["trainer.log_every_n_steps=0"], "trainer.log_every_n_steps=0: must be an integer >= 1; e.g. 10"),
+    (["data.val_fraction=1.0"], "data.val_fraction=1.0: must be a fraction in (0, 1); hold out a small share, e.g. 0.05"),
+    (["data.val_fraction=0"], "data.val_fraction=0: must be a fraction in (0, 1); hold out a small share, e.g. 0.05"),
+    (["data.num_proc=0"], "data.num_proc=0: must be an integer >= 1; the processes that clean and tokenize, e.g. 2"),
+    (["data.num_workers=-1"], "data.num_workers=-1: must be an integer >= 0; use 0 to load in the main process"),
+    (["optimizer.weight_decay=-0.1"], "optimizer.weight_decay=-0.1: must be a number >= 0; e.g. 0.1, or 0 for none"),
+    (["optimizer.betas=[0.9,1.5]"], "optimizer.betas=[0.9, 1.5]: must be two numbers in [0, 1); e.g. [0.9, 0.95]"),
+    (["scheduler.warmup_fraction=1.0"],
+     "scheduler.warmup_fraction=1.0: must be a fraction in [0, 1); e.g. 0.05 (5% of max_steps)"),
+    (["scheduler.min_lr_ratio=2"],
+     "scheduler.min_lr_ratio=2: must be a fraction in [0, 1]; e.g. 0.1 (the final LR is 10% of the peak)"),
+    (["scheduler.total_steps=2"], "scheduler.total_steps=2 < trainer.max_steps=4: the LR would sit at its floor for "
+                                  "the last steps; leave scheduler.total_steps at ${trainer.max_steps}"),
+    (["model.config.n_head=3"], "model.config (tiny): n_head=3 must divide dim=64"),
+    (["model.config.vocab_size=10"],
+     "model.config.vocab_size=10: a trained tokenizer needs at least 392 tokens (4 special, 256 byte fallback, "
+     "the required characters); raise it to at least 392, e.g. 8192"),
+    (["data.seq_len=1024"], "data.seq_len=1024 exceeds model.config.max_seq_len=512 of preset tiny; "
+                            "lower data.seq_len or raise max_seq_len"),
+    (["data.sources.0.weight=0", "data.sources.1.weight=0"],
+     "data.sources: weights [0, 0] sum to 0; give at least one source a weight > 0"),
+    (["data.sources.1.weight=-1"], "data.sources[1].weight=-1: must be a number >= 0; e.g. 0.8"),
+    (["tokenizer.model_type=wordpiece"], "tokenizer.model_type='wordpiece': must be bpe or unigram; use bpe"),
+    (["module.sdpa_backend=fast"], "module.sdpa_backend='fast': must be one of auto, flash, efficient, math, cudnn; "
+                                   "use auto unless you are pinning a CUDA kernel"),
+    (["callbacks.gradient_flow.every_n_steps=0"], "callbacks.gradient_flow.every_n_steps=0: must be >= 1"),
+    (["callbacks.gradient_flow.on_fail=ignore"], "callbacks.gradient_flow.on_fail='ignore': use 'raise' or 'warn'"),
+    (["callbacks.throughput.on_low_mfu=stop"], "callbacks.throughput.on_low_mfu='stop': use 'warn' or 'raise'"),
+    (["callbacks.random_twin.max_tokens=1"],
+     "callbacks.random_twin.max_tokens=1: must be >= 2 or null (whole slice)"),
+    (["callbacks.nan_guard.policy=ignore"], "callbacks.nan_guard.policy='ignore': use one of ['halt', 'skip']"),
+    (["tokenizer.path=/nonexistent/tok.model"], "tokenizer.path: file /nonexistent/tok.model does not exist; fix the path"),
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_cfg(cache_dir):
+    """The composed TINY config, once: each case edits a copy (composing per case costs seconds)."""
+    from hydra import compose, initialize_config_dir
+
+    from bnlit import CONF_DIR
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose("train", overrides=TINY)
+
+
+def with_overrides(cfg, tmp_path: Path, *overrides: str):
+    """A copy of ``cfg`` with Hydra command-line overrides applied (parsed by Hydra's own grammar),
+    writing into ``tmp_path`` with a private cache."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf, open_dict
+
+    cfg = cfg.copy()
+    with open_dict(cfg):
+        for o in OverridesParser.create().parse_overrides([*overrides, f"paths.output_dir={tmp_path}/r",
+                                                           f"paths.checkpoint_dir={tmp_path}/r/checkpoints",
+                                                           f"paths.cache_dir={tmp_path}/cache"]):
+            OmegaConf.update(cfg, o.key_or_group, o.value(), merge=False)
+    return cfg
+
+
+@pytest.mark.parametrize("overrides,message", BAD_VALUES, ids=[" ".join(o) for o, _ in BAD_VALUES])
+def test_bad_value_is_refused_before_any_work(tiny_cfg, tmp_path, overrides, message):
+    from bnlit.errors import BnlitError
+    from bnlit.train import train
+
+    with pytest.raises(BnlitError) as e:
+        train(with_overrides(tiny_cfg, tmp_path, *overrides))
+    assert str(e.value) == message
+    assert not (tmp_path / "cache").exists()  # nothing cached, not even the embedded corpus
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("overrides", [["data.batch_size=0"], ["callbacks.gradient_flow.every_n_steps=0"],
+                                       ["model.config.n_head=3"]])
+def test_bad_value_through_the_command_line(cli, tmp_path, overrides):
+    """The same refusals from ``python -m bnlit.train``: one line, exit 2, within seconds."""
+    import time
+
+    message = dict((tuple(o), m) for o, m in BAD_VALUES)[tuple(overrides)]
+    start = time.perf_counter()
+    code, err = cli(tmp_path / "r", f"paths.cache_dir={tmp_path}/cache", *overrides)
+    assert (code, only_error(err)) == (2, f"error: {message}")
+    assert time.perf_counter() - start < 30  # the data build it used to wait for takes minutes
+    assert not (tmp_path / "cache").exists()
+
+
+def write(path: Path, data: str | bytes) -> Path:
+    path.write_bytes(data if isinstance(data, bytes) else data.encode("utf-8"))
+    return path
+
+
+GOOD_TEXT = "এটি একটি বাংলা অনুচ্ছেদ। " * 20
+
+
+def bad_files(d: Path) -> list[tuple[str, Path, str]]:
+    """(case, the data file, the expected error after 'error: data.sources[0].path: ')."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (d / "folder.txt").mkdir()
+    pq.write_table(pa.table({"text": [1, 2]}), d / "numbers.parquet")
+    write(d / "junk.parquet", b"PAR1 this is not parquet")
+    return [
+        ("directory", d / "folder.txt",
+         f"{d}/folder.txt is a directory, not a file; point it at one .txt/.text/.jsonl/.json/.parquet file inside it"),
+        ("missing", d / "missing.jsonl", f"file {d}/missing.jsonl does not exist; fix the path"),
+        ("empty", write(d / "empty.txt", ""), f"file {d}/empty.txt is empty; point it at a file with text"),
+        ("whitespace", write(d / "blank.txt", " \n\n\t \n"),
+         f"file {d}/blank.txt holds only whitespace; point it at a file with text"),
+        ("non-utf8", write(d / "latin.txt", "ok ".encode() + "café ok".encode("latin-1")),
+         f"file {d}/latin.txt is not valid UTF-8 (byte 6); re-encode it, e.g. `iconv -f <encoding> -t utf-8`"),
+        ("text is a number", write(d / "num.jsonl", "\n".join(json.dumps(r) for r in
+                                                              [{"text": GOOD_TEXT}, {"text": "ok"}, {"text": 42}])),
+         f'{d}/num.jsonl:3: "text" is a number (42), not a string; quote it or drop that line'),
+        ("text is a list", write(d / "list.jsonl", json.dumps({"text": ["a", "b"]}) + "\n"),
+         f'{d}/list.jsonl:1: "text" is a list (["a", "b"]), not a string; quote it or drop that line'),
+        ("malformed JSON", write(d / "broken.jsonl", json.dumps({"text": GOOD_TEXT}) + '\n\n{"text": "unterminated\n'),
+         f"{d}/broken.jsonl:3: malformed JSON (Unterminated string starting at column 10); "
+         "fix or delete that line (JSON Lines: one object a line)"),
+        ("not an object", write(d / "array.jsonl", json.dumps({"text": GOOD_TEXT}) + '\n["x"]\n'),
+         f'{d}/array.jsonl:2: a list, not a JSON object; write one {{"text": "..."}} object per line'),
+        ("non-UTF-8 JSON line", write(d / "latin.jsonl", b'{"text": "ok"}\n{"text": "caf\xe9"}\n'),
+         f"file {d}/latin.jsonl is not valid UTF-8 (line 2, column 14); re-encode it, e.g. `iconv -f <encoding> -t utf-8`"),
+        ("only blank text", write(d / "blanks.jsonl", '{"text": "  "}\n{"text": null}\n'),
+         f'every "text" in {d}/blanks.jsonl is empty or whitespace; point it at a file with text'),
+        ("JSON array, bad element", write(d / "rows.json", json.dumps([{"text": GOOD_TEXT}, {"text": 1.5}])),
+         f'{d}/rows.json element 2: "text" is a number (1.5), not a string; quote it or drop that element'),
+        ("parquet of numbers", d / "numbers.parquet",
+         f"column 'text' of {d}/numbers.parquet is int64, not a string; cast it to string or choose another text_field"),
+        ("not parquet", d / "junk.parquet", None),
+        ("unknown extension", write(d / "doc.pdf", GOOD_TEXT),
+         f"{d}/doc.pdf has an unknown extension; use one of ['.txt', '.text', '.jsonl', '.json', '.parquet']"),
+    ]
+
+
+def test_bad_data_files_are_refused_with_the_line_and_the_fix(tmp_path):
+    from bnlit.errors import DataError
+    from bnlit.validate import check_data_file
+
+    for case, path, message in bad_files(tmp_path):
+        with pytest.raises(DataError) as e:
+            check_data_file(path, "data.sources[0].path")
+        if message is None:
+            assert str(e.value).startswith(f"data.sources[0].path: {path} is not a readable Parquet file ("), case
+        else:
+            assert str(e.value) == f"data.sources[0].path: {message}", case
+
+
+def test_bad_data_file_through_the_command_line(cli, tmp_path):
+    import json
+
+    good = write(tmp_path / "en.txt", "An English paragraph of some length. " * 20)
+    bad = write(tmp_path / "bn.jsonl", "\n".join(json.dumps({"text": t}) for t in [GOOD_TEXT, 7]))
+    code, err = cli(tmp_path / "r", "data=files", f"data.sources.0.path={bad}", f"data.sources.1.path={good}",
+                    f"paths.cache_dir={tmp_path}/cache")
+    assert code == 2
+    assert only_error(err) == (f'error: data.sources[0].path: {bad}:2: "text" is a number (7), not a string; '
+                               "quote it or drop that line")
+    assert not (tmp_path / "cache").exists()
+
+
+def test_non_string_text_while_reading_is_an_error_not_a_skip(tmp_path):
+    """A source read without the up-front check (a hub dataset, a script) fails on the row too."""
+    import json
+
+    from bnlit.data.sources import Source, iter_documents
+    from bnlit.errors import DataError
+
+    path = write(tmp_path / "a.jsonl", "\n".join(json.dumps({"text": t}) for t in ["one", "two", 3]))
+    with pytest.raises(DataError, match=r"row 3 of .*a.jsonl: 'text' is int \(3\), not a string"):
+        list(iter_documents(Source(name="s", language="bn", path=str(path)), path, cache_dir=str(tmp_path / "hf")))
+
+
+def test_missing_text_field_and_unreadable_file(tmp_path, monkeypatch):
+    import os
+
+    import bnlit.validate as validate
+    from bnlit.errors import DataError
+
+    body = write(tmp_path / "body.jsonl", '{"body": "x"}\n')
+    with pytest.raises(DataError) as e:
+        validate.check_data_file(body, "data.sources[0].path")
+    assert str(e.value) == (f"data.sources[0].text_field='text': no line of {body} has that key; "
+                            "set text_field to the key that holds the text")
+    secret = write(tmp_path / "secret.txt", GOOD_TEXT)
+    real = os.access
+    monkeypatch.setattr(validate.os, "access", lambda p, mode: False if str(p) == str(secret) else real(p, mode))
+    with pytest.raises(DataError) as e:  # a planted fault: the tests run as root, who reads everything
+        validate.check_data_file(secret, "data.sources[0].path")
+    assert str(e.value) == (f"data.sources[0].path: file {secret} is not readable (permission denied); "
+                            f"`chmod a+r {secret}` or copy it somewhere readable")
+
+
+def test_tokenizer_too_small_for_the_text_says_raise(tmp_path):
+    from bnlit.errors import TokenizerError
+    from bnlit.tokenizer import MIN_VOCAB_SIZE, train_tokenizer
+
+    with pytest.raises(TokenizerError, match=rf"raise model.config.vocab_size={MIN_VOCAB_SIZE} to at least \d+ "):
+        train_tokenizer([GOOD_TEXT, "Some English words too, with Capitals."], tmp_path / "t.model",
+                        vocab_size=MIN_VOCAB_SIZE)

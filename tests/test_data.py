@@ -134,7 +134,7 @@ def test_wrong_text_field_and_blank_file(tmp_path):
         list(iter_documents(src, tmp_path / "a.jsonl", cache_dir=str(tmp_path / "hf")))
     (tmp_path / "blank.txt").write_text("\n\n   \n")
     src = Source(name="s", language="bn", path=str(tmp_path / "blank.txt"))
-    with pytest.raises(DataError, match="holds no text"):
+    with pytest.raises(DataError, match="holds only whitespace; point it at a file with text"):
         list(iter_documents(src, tmp_path / "blank.txt", cache_dir=str(tmp_path / "hf")))
 
 

@@ -52,7 +52,7 @@ def write_fixture(path, texts):
 
 
 def test_mixture_preset_runs_on_local_fixtures_and_writes_the_data_report(make_cfg, tmp_path):
-    cfg = make_cfg("data=bn_en_mix", "model.config.vocab_size=400", "data.seq_len=32")
+    cfg = make_cfg("data=bn_en_mix", "model.config.vocab_size=512", "data.seq_len=32")
     fixtures = {"sangraha_bn": ("parquet", "bn", 0), "fineweb2_bn": ("parquet", "bn", 1000),
                 "wiki_bn": ("jsonl", "bn", 2000), "fineweb_edu_en": ("parquet", "en", 3000)}
     with open_dict(cfg):
@@ -86,7 +86,7 @@ def test_mixture_preset_runs_on_local_fixtures_and_writes_the_data_report(make_c
 def test_an_evaluation_file_is_checked_against_the_runs_training_text(make_cfg, tmp_path):
     from bnlit.data.report import check_against_training, validation_decontaminated
 
-    cfg = make_cfg("data=files", "model.config.vocab_size=400", "data.seq_len=32")
+    cfg = make_cfg("data=files", "model.config.vocab_size=512", "data.seq_len=32")
     bn = [document(i) for i in range(30)]
     en = [document(i, "en") for i in range(30)]
     write_fixture(tmp_path / "bn.parquet", bn)

@@ -1,6 +1,6 @@
 """Distributed: 2-process DDP on CPU (gloo) matches 1 process with the same global batch, writes
 one set of checkpoints, one metrics file and one Hydra dir; its checkpoint resumes on 1 process
-(resharded) onto the same curve. The FSDP and SLURM configs compose into the objects they name."""
+(resharded) onto the same curve. The SLURM config composes into the launcher it names (FSDP: tests/test_rehearsal.py)."""
 
 from __future__ import annotations
 
@@ -81,20 +81,6 @@ def test_ddp_two_processes_match_one(tmp_path, cache_dir):
 def compose_with_hydra(*overrides: str):
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose("train", overrides=list(overrides), return_hydra_config=True)
-
-
-def test_fsdp_config_builds_lightnings_fsdp_strategy():
-    from lightning.pytorch.strategies import FSDPStrategy
-    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-
-    from bnlit.model import Block
-
-    cfg = compose_with_hydra("model=1b", "trainer=fsdp")
-    strategy = instantiate(cfg.trainer.strategy)
-    assert isinstance(strategy, FSDPStrategy)
-    policy = strategy.kwargs["auto_wrap_policy"]
-    assert isinstance(policy, ModuleWrapPolicy) and policy._module_classes == {Block}
-    assert cfg.trainer.precision == "bf16-mixed"
 
 
 def test_slurm_launcher_takes_nodes_and_gpus_from_the_trainer():

@@ -86,6 +86,24 @@ def test_evaluate_stream_matches_a_plain_loop_and_splits_over_ranks():
     assert int(metric.compute()[1]) == len(stream) - 2  # running sums across calls
 
 
+def test_evaluate_stream_makes_the_same_number_of_forward_calls_on_every_rank():
+    """Under FSDP a forward gathers the shards (a collective): a rank that stops calling the model
+    before the others hangs them. 3 full windows and a short one over 2 ranks: rank 0 has 2 full,
+    rank 1 has 1 full and the short one; both must call the model once per length group."""
+    torch.manual_seed(0)
+    model = Transformer(SMALL).eval()
+    calls = []
+    model.register_forward_pre_hook(lambda m, args: calls.append(tuple(args[0].shape)))
+    stream = np.random.default_rng(0).integers(0, SMALL.vocab_size, size=3 * 16 + 6)
+    per_rank = []
+    for r in (0, 1):
+        calls.clear()
+        per_rank.append((evaluate_stream(model, stream, 16, 2, rank=r, world_size=2, metric=NLLSum()), list(calls)))
+    assert [len(c) for _, c in per_rank] == [2, 2]
+    assert [c[1][1] for _, c in per_rank] == [5, 5]  # both ran the short-window group
+    assert per_rank[0][0][1] + per_rank[1][0][1] == len(stream) - 1  # the spare call scored nothing
+
+
 def test_uniform_model_bits_per_char_is_log2_vocab_times_tokens_per_char():
     tok = CharTokenizer()
     docs = ["a short one.", "বাংলা লেখা, a mixed document", "x" * 150]

@@ -86,6 +86,21 @@ def test_exported_tokenizer_loads_in_transformers_and_agrees(tokenizer, tmp_path
     assert hf_tok.decode(tokenizer.encode(text)) == text
 
 
+def test_exported_tokenizer_after_bnlit_normalize_matches_encode(tokenizer, tmp_path):
+    """The documented call (``bnlit.tokenizer.normalize``) makes the exported tokenizer agree with
+    training and ``Tokenizer.encode`` on text that NFC alone does not fix."""
+    from bnlit.tokenizer import normalize
+    from test_tokenizer import TRICKY
+
+    model = Transformer(ModelConfig(vocab_size=512, dim=32, n_layer=1, n_head=2, multiple_of=32, max_seq_len=32))
+    out = export_hf(model, tokenizer, tmp_path / "hf")
+    hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+    for text in (TRICKY, SAMPLE, "বছর ২০২৪ সালে 2024"):
+        assert hf_tok.encode(normalize(text)) == tokenizer.encode(text), text
+    assert hf_tok.encode(unicodedata.normalize("NFC", TRICKY)) != tokenizer.encode(TRICKY)  # NFC alone is not enough
+    assert "bnlit.tokenizer.normalize" in json.loads((out / "tokenizer_config.json").read_text())["bnlit_normalization"]
+
+
 def test_export_is_atomic_and_refuses_to_overwrite(tokenizer, tmp_path, monkeypatch):
     model = Transformer(ModelConfig(vocab_size=512, dim=32, n_layer=1, n_head=2, multiple_of=32, max_seq_len=32))
     out = export_hf(model, tokenizer, tmp_path / "hf")

@@ -14,7 +14,7 @@ from bnlit import fertility
 from bnlit.data import BnDataModule, embedded
 from bnlit.data.dataset import MixtureSampler
 from bnlit.errors import ConfigError, TokenizerError
-from bnlit.tokenizer import Tokenizer, sample_by_language, train_tokenizer
+from bnlit.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, sample_by_language, train_tokenizer
 from bnlit.train import train
 
 
@@ -25,9 +25,18 @@ def bn_lines() -> list[str]:
 
 @pytest.fixture(scope="module")
 def english_only(tmp_path_factory) -> Tokenizer:
-    """A tokenizer that has never seen Bangla: Bangla falls back to UTF-8 bytes."""
+    """A foreign tokenizer that has never seen Bangla: Bangla falls back to UTF-8 bytes. Trained
+    with SentencePiece directly, as a user's own model might be: one bnlit trains always has every
+    Bangla character as a piece (tests/test_tokenizer.py)."""
+    import sentencepiece as spm
+
     path = tmp_path_factory.mktemp("en_tok") / "tokenizer.model"
-    return Tokenizer(train_tokenizer(embedded.english_documents(), path, vocab_size=1024))
+    lines = list(fertility.iter_lines(embedded.english_documents()[:300]))
+    with path.open("wb") as f:
+        spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=f, vocab_size=1024,
+                                       model_type="bpe", byte_fallback=True, normalization_rule_name="identity",
+                                       pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID, minloglevel=2)
+    return Tokenizer(path)
 
 
 # ---- pure functions -------------------------------------------------------------------------
@@ -173,14 +182,14 @@ def test_tokenizer_lang_weights_in_the_data_module(make_cfg):
     """Resampling the tokenizer's training text towards English trades Bangla fertility for
     English fertility, on the data module's own held-out slices."""
     cpt = {}
-    for w in ("null", "{bn: 0.2, en: 0.8}"):
+    for w in ("{bn: 0.8, en: 0.2}", "{bn: 0.2, en: 0.8}"):
         dm = instantiate(make_cfg(f"tokenizer.lang_weights={w}").data)
         dm.prepare_data()
         dm.setup("fit")
         stats = dm.split_stats("val")
         cpt[w] = {st["language"]: st["chars"] / (st["tokens"] - st["docs"]) for st in stats.values()}
-    natural, english = cpt["null"], cpt["{bn: 0.2, en: 0.8}"]
-    assert english["en"] > natural["en"] * 1.05 and english["bn"] < natural["bn"]
+    bangla, english = cpt["{bn: 0.8, en: 0.2}"], cpt["{bn: 0.2, en: 0.8}"]
+    assert english["en"] > bangla["en"] * 1.05 and english["bn"] < bangla["bn"] / 1.05
 
 
 def test_weight_unit_is_validated(make_cfg):
@@ -244,3 +253,60 @@ def test_fertility_check_warns_and_flags_an_inverted_mixture(make_cfg, english_o
     messages = [str(w.message) for w in record]
     assert any("below the floor" in m for m in messages)
     assert any("mixture inverted in characters: bn was meant to outweigh en" in m for m in messages)
+
+
+# ---- content-matched premium on parallel text -------------------------------------------------
+PAIRS = [("আমি বাংলায় গান গাই।", "I sing in Bangla."), ("আজ আকাশ পরিষ্কার।", "The sky is clear today."),
+         ("সে প্রতিদিন স্কুলে যায়।", "She goes to school every day."), ("আমরা একসাথে খাই।", "We eat together."),
+         ("বইটি টেবিলের উপরে আছে।", "The book is on the table.")]
+
+
+def _parallel(tmp_path) -> tuple:
+    bn, en = tmp_path / "bn.txt", tmp_path / "en.txt"
+    bn.write_text("\n".join(b for b, _ in PAIRS) + "\n", encoding="utf-8")
+    en.write_text("\n".join(e for _, e in PAIRS) + "\n", encoding="utf-8")
+    return bn, en
+
+
+def test_premium_verdicts_warn_in_both_directions():
+    assert fertility.premium_verdicts({"bn": 1.0, "en": 1.0}) == []
+    high = fertility.premium_verdicts({"bn": 2.63, "en": 1.0}, source="FLORES")
+    assert len(high) == 1 and "bn needs 2.63x the tokens en needs" in high[0] and "under-serves bn" in high[0]
+    low = fertility.premium_verdicts({"bn": 0.62, "en": 1.0})
+    assert len(low) == 1 and "under-serves en" in low[0] and "outside 0.80-1.25" in low[0]
+    assert fertility.premium_verdicts({"bn": 0.62, "en": 1.0}, band=(0.5, 1.5)) == []
+
+
+def test_parallel_text_and_band_are_checked_when_the_callback_is_built(tmp_path):
+    from bnlit.callbacks.fertility import FertilityCheck
+
+    bn, en = _parallel(tmp_path)
+    assert FertilityCheck(parallel={"bn": str(bn), "en": str(en)}).parallel_texts["en"][0] == "I sing in Bangla."
+    assert FertilityCheck().parallel_texts is None  # off unless given
+    with pytest.raises(ConfigError, match=r"callbacks.fertility.parallel.bn: .*nope.txt does not exist"):
+        FertilityCheck(parallel={"bn": str(tmp_path / "nope.txt"), "en": str(en)})
+    short = tmp_path / "short.txt"
+    short.write_text("এক\nদুই\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"\{'bn': 2, 'en': 5\} lines .* same number of non-empty lines"):
+        FertilityCheck(parallel={"bn": str(short), "en": str(en)})
+    with pytest.raises(ConfigError, match=r"premium_band=\[1.2, 1.5\]"):
+        FertilityCheck(premium_band=[1.2, 1.5])
+
+
+def test_fertility_check_reports_the_parallel_premium(make_cfg, english_only, tmp_path):
+    """A tokenizer that never saw Bangla pays a premium far above the band: warned, logged, and
+    equal to the premium ``fertility.report`` computes on the same files."""
+    bn, en = _parallel(tmp_path)
+    path = english_only.save(tmp_path / "en.model")
+    cfg = make_cfg(f"tokenizer.path={path}", "callbacks.fertility.on_fail=warn", "trainer.max_steps=1", NO_TWIN,
+                   f"callbacks.fertility.parallel={{bn:'{bn}',en:'{en}'}}")
+    with pytest.warns(UserWarning) as record:
+        train(cfg)
+    premium = [str(w.message) for w in record if "tokenizer premium" in str(w.message)]
+    assert len(premium) == 1 and "under-serves bn" in premium[0] and "bn.txt" in premium[0]
+    want = fertility.report({"bn": [b for b, _ in PAIRS], "en": [e for _, e in PAIRS]}, english_only, parallel=True)
+    m = _metrics(tmp_path / "run")
+    assert m["tok/bn_parallel_premium"] == pytest.approx(want["bn"]["premium"]) and want["bn"]["premium"] > 1.25
+    assert m["tok/en_parallel_premium"] == 1.0
+    rows = json.loads((tmp_path / "run" / "tables" / "tok_fertility.json").read_text())["rows"]
+    assert rows[0][-1] == pytest.approx(want["bn"]["premium"])

@@ -78,13 +78,15 @@ def test_english_only_tokenizer_from_the_cli_is_flagged(corpus, tmp_path):
     run("train_tokenizer.py", "--input", f"en={corpus['en']}", "--vocab-size", "2048", "--out", str(tmp_path))
     p = run("fertility.py", "--tokenizer", str(tmp_path / "tokenizer.model"), "--lang", f"bn={corpus['bn']}", "--json")
     bn = json.loads(p.stdout)["bn"]
-    assert bn["chars_per_token"] < 0.6 and bn["byte_fallback_rate"] > 0.5
+    # every Bangla character is a piece even with no Bangla training text: one token per character,
+    # no byte fallback, and still far below the floor
+    assert bn["chars_per_token"] < 1.2 and bn["byte_fallback_rate"] < 0.01  # OCR noise: Assamese ৰ, symbols
     assert len(fertility.floor_verdicts({"bn": bn["chars_per_token"]})) == 1
 
 
 def test_lang_weights_set_the_training_character_shares(corpus, tmp_path):
     run("train_tokenizer.py", "--input", f"bn={corpus['bn']}", f"en={corpus['en']}", "--vocab-size", "2048",
-        "--out", str(tmp_path), "--lang-weights", "bn=0.5,en=0.5", "--model-type", "unigram")
+        "--out", str(tmp_path), "--lang-weights", "bn=0.5,en=0.5", "--model-type", "unigram", "--word-frequencies", "none")
     card = json.loads((tmp_path / "tokenizer_card.json").read_text())
     assert card["lang_weights"] == {"bn": 0.5, "en": 0.5} and card["model_type"] == "unigram"
     assert card["training_text"]["bn"]["sampled_char_share"] == pytest.approx(0.5, abs=0.01)

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from bnlit.gradient_flow import (
     compare_gradients,
-    eager_fp32_copy,
+    eager_fp32,
     fast_path_parity,
     gradient_flow_report,
     param_group_report,
@@ -190,11 +190,13 @@ def test_one_nonfinite_element_of_one_gradient_is_named(value):
     assert "NaN/Inf" in report.problems()["layers.1.feed_forward.w2.weight"]
 
 
-def test_tiny_but_nonzero_gradient_is_not_zero():
+def test_tiny_but_nonzero_gradient_is_vanishing_not_zero():
     # 1e-30 squared underflows fp32: an L2-norm test would call this gradient zero
     model = backward(tiny())
     model.norm.weight.grad.fill_(0.0)[7] = 1e-30
-    assert gradient_flow_report(model.named_parameters()).ok
+    report = gradient_flow_report(model.named_parameters())
+    assert not report.zero and list(report.vanishing) == ["norm.weight"]
+    assert report.grad_to_weight["norm.weight"] == pytest.approx(1e-30 / model.norm.weight.norm().item(), rel=1e-4)
     model.norm.weight.grad[7] = 0.0
     assert gradient_flow_report(model.named_parameters()).zero == ["norm.weight"]
 
@@ -304,7 +306,7 @@ def test_optimizer_that_skips_a_parameter_is_named():
 
 def test_healthy_bf16_autocast_passes_parity():
     model = tiny()
-    report = fast_path_parity(model, batch(), loss_fn, fast_context=torch.autocast("cpu", dtype=torch.bfloat16))
+    report = fast_path_parity(model, batch(), lambda b: loss_fn(model, b), fast_context=torch.autocast("cpu", dtype=torch.bfloat16))
     assert report.ok, report.problems()
     assert len(report.names) == len(list(model.parameters()))
     assert 0.999 < report.worst_cosine < 1.0 and 0 < report.worst_rel_norm_error < 0.01  # bf16 did run
@@ -318,7 +320,7 @@ def test_fast_path_with_a_wrong_kernel_gradient_is_named(scale, rows, cos_fails,
     monkeypatch.setattr(FastPathLinear, "scale", scale)
     monkeypatch.setattr(FastPathLinear, "rows", rows)
     model = plant(tiny(), "layers.1.feed_forward.w1", FastPathLinear)
-    report = fast_path_parity(model, batch(), loss_fn, fast_context=torch.autocast("cpu", dtype=torch.bfloat16))
+    report = fast_path_parity(model, batch(), lambda b: loss_fn(model, b), fast_context=torch.autocast("cpu", dtype=torch.bfloat16))
     assert list(report.failed) == ["layers.1.feed_forward.w1.weight"]
     name = "layers.1.feed_forward.w1.weight"
     assert (report.cosine[name] < report.min_cosine) == cos_fails
@@ -326,11 +328,20 @@ def test_fast_path_with_a_wrong_kernel_gradient_is_named(scale, rows, cos_fails,
     assert "disagrees with the eager fp32 reference" in report.failed[name]
 
 
-def test_parity_reference_drops_compile_and_compares_like_for_like():
+def test_parity_reference_is_eager_fp32_without_copying_fp32_weights():
     model = tiny()
-    model.compile()  # the reference must be eager; nothing is compiled until the first call
-    ref = eager_fp32_copy(model)
-    assert ref._compiled_call_impl is None and model._compiled_call_impl is not None
+    calls = []
+    model.compile(backend=lambda gm, inputs: calls.append(1) or gm.forward)  # counts compilations
+    with eager_fp32(model) as params:
+        model(batch()[0])
+        assert all(params[n] is p for n, p in model.named_parameters())  # fp32 already: no copy
+    assert calls == []  # force_eager: the reference never ran the compiled graph
+    half = tiny().to(torch.bfloat16)
+    with eager_fp32(half) as params:
+        assert all(p.dtype == torch.float32 for p in params.values())
+        assert half.norm.weight.dtype == torch.float32  # swapped in for the duration
+        loss_fn(half, batch()).backward()
+    assert half.norm.weight.dtype == torch.bfloat16 and half.norm.weight.grad is None
     g = {"w": torch.tensor([1.0, 2.0])}
     same = compare_gradients(g, g, min_cosine=0.99, max_rel_norm_error=0.05)
     assert same.ok and same.cosine["w"] == pytest.approx(1.0)
@@ -387,7 +398,7 @@ def test_bf16_mixed_run_passes_with_parity(tmp_path, caplog):
 
 def test_fast_path_fault_stops_a_bf16_run_at_step_1(tmp_path):
     model = plant(tiny(), "layers.0.attention.wq", FastPathLinear)
-    with pytest.raises(GradientFlowError, match=r"step 1 .*model\.layers\.0\.attention\.wq\.weight: fast-path gradient"):
+    with pytest.raises(GradientFlowError, match=r"step 1 .*model\.layers\.0\.attention\.wq\.weight \[fast_path_parity\] fast-path gradient"):
         fit(model, callbacks=[GradientFlowArbiter()], tmp_path=tmp_path, precision="bf16-mixed")
     report = json.loads((tmp_path / "checkpoints" / "gradient_flow.json").read_text())
     assert not report["ok"] and list(report["problems"]) == ["model.layers.0.attention.wq.weight"]
@@ -404,7 +415,7 @@ class DropOneParam(LMModule):
 
 
 def test_param_left_out_fails_at_fit_start_before_any_step(tmp_path):
-    with pytest.raises(GradientFlowError, match=r"param-group check failed at step 0 .*model\.layers\.1\.attention\.wk\.weight: not in any"):
+    with pytest.raises(GradientFlowError, match=r"param-group check failed at step 0 .*model\.layers\.1\.attention\.wk\.weight \[not_in_optimizer\] not in any"):
         fit(module_cls=DropOneParam, callbacks=[GradientFlowArbiter()], tmp_path=tmp_path)
 
 
@@ -427,7 +438,7 @@ class SkipsOneParamModule(LMModule):
 
 def test_optimizer_that_drops_an_update_stops_the_run_at_step_1(tmp_path):
     # the no_decay group's first tensor is the tied embedding
-    with pytest.raises(GradientFlowError, match=r"update-flow check failed at step 1 .*model\.tok_embeddings\.weight: "
+    with pytest.raises(GradientFlowError, match=r"update-flow check failed at step 1 .*model\.tok_embeddings\.weight \[update\] "
                                                 r"update is exactly zero although"):
         fit(module_cls=SkipsOneParamModule, callbacks=[GradientFlowArbiter()], tmp_path=tmp_path)
 
@@ -435,7 +446,7 @@ def test_optimizer_that_drops_an_update_stops_the_run_at_step_1(tmp_path):
 def test_warn_mode_reports_and_keeps_training(tmp_path):
     model = plant(tiny(), "layers.1.attention.wv", ZeroGradKernelLinear)
     arbiter = GradientFlowArbiter(every_n_steps=1, on_fail="warn")
-    with pytest.warns(UserWarning, match=r"model\.layers\.1\.attention\.wv\.weight: gradient is exactly zero"):
+    with pytest.warns(UserWarning, match=r"model\.layers\.1\.attention\.wv\.weight \[zero\] gradient is exactly zero"):
         trainer = fit(model, callbacks=[arbiter], tmp_path=tmp_path)
     assert trainer.global_step == 3 and arbiter.checks == 3 and not arbiter.last_report["ok"]
 
@@ -458,8 +469,7 @@ def test_default_run_logs_the_verdict_and_writes_the_report(make_cfg, caplog):
     n = len(list(tiny().parameters()))
     assert f"gradient flow: {n}/{n} parameters ok at step 1" in caplog.text
     assert f"update flow: {n}/{n} parameters updated at step 1" in caplog.text
-    report = json.loads((Path(cfg.paths.checkpoint_dir) / "gradient_flow.json").read_text())
-    assert report["ok"] and report["step"] == 1 and report["gradients"]["num_ok"] == n
+    assert not (Path(cfg.paths.checkpoint_dir) / "gradient_flow.json").exists()  # written on failure only
     import csv
 
     rows = list(csv.DictReader(open(Path(cfg.paths.output_dir) / "csv" / "metrics.csv")))
@@ -479,7 +489,7 @@ def test_planted_fault_stops_the_real_run_at_step_1(make_cfg):
     with pytest.raises(GradientFlowError) as err:
         train(cfg)
     msg = str(err.value)
-    assert "gradient-flow check failed at step 1 for 1 parameter(s): model.layers.1.feed_forward.w3.weight: gradient is None" in msg
+    assert "gradient-flow check failed at step 1 for 1 parameter(s): model.layers.1.feed_forward.w3.weight [missing] gradient is None" in msg
     report_path = Path(cfg.paths.checkpoint_dir) / "gradient_flow.json"
     assert str(report_path) in msg
     assert json.loads(report_path.read_text())["gradients"]["missing"] == ["model.layers.1.feed_forward.w3.weight"]
@@ -536,6 +546,6 @@ def test_ddp_fault_on_one_rank_stops_both_ranks_with_the_same_error(tmp_path):
     msgs = [(tmp_path / f"rank{r}.txt").read_text() if (tmp_path / f"rank{r}.txt").exists() else None for r in (0, 1)]
     assert msgs[0] is not None and msgs[1] is not None, proc.stderr[-3000:]
     assert msgs[0] == msgs[1], msgs
-    assert ("gradient-flow check failed at step 1 for 1 parameter(s): model.layers.0.attention.wv.weight: "
+    assert ("gradient-flow check failed at step 1 for 1 parameter(s): model.layers.0.attention.wv.weight [nonfinite] "
             "gradient has NaN/Inf values (on 1 of 2 ranks)") in msgs[0]
     assert proc.returncode != 0

@@ -25,7 +25,7 @@ def corpus():
 @pytest.fixture(scope="module")
 def tok_path(tmp_path_factory) -> Path:
     texts = [d for _, _, docs in corpus() for d in docs]
-    return train_tokenizer(texts, tmp_path_factory.mktemp("tok") / "t.model", vocab_size=400)
+    return train_tokenizer(texts, tmp_path_factory.mktemp("tok") / "t.model", vocab_size=512)
 
 
 BUILD = """

@@ -49,3 +49,25 @@ def test_optuna_minimises_val_loss(tmp_path, cache_dir):
     losses = [final(t, "val/loss") for t in trials]
     assert result["best_value"] == pytest.approx(min(losses), abs=1e-6)
     assert set(result["best_params"]) == {"optimizer.lr", "optimizer.weight_decay", "scheduler.warmup_fraction"}
+
+
+@pytest.mark.slow
+def test_sweep_shorter_than_one_validation_interval_runs_every_job(tmp_path, cache_dir):
+    """2 points x 3 steps with validation every 50 steps: validation runs at the end of each job
+    (bnlit.train.needs_final_validation), so both jobs log val/loss of their trained model, the
+    sweep finishes, and each job's summary.md shows the numbers its console line printed."""
+    import re
+
+    sweep = tmp_path / "short"
+    out = multirun(sweep, "model=tiny", "optimizer.lr=1e-3,3e-3", "trainer.max_steps=3", "trainer.val_check_interval=50")
+    assert out.returncode == 0, out.stderr[-3000:]
+    jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and p.name.isdigit())
+    assert [p.name for p in jobs] == ["0", "1"]
+    console = re.findall(r"^train/loss (\S+)  val/loss (\S+)$", out.stdout, re.M)
+    assert len(console) == 2 and "n/a" not in {v for pair in console for v in pair}, out.stdout[-2000:]
+    for job, (train_loss, val_loss) in zip(jobs, console):
+        series = read_metrics(job / "csv" / "metrics.csv")
+        assert series["val/loss"][-1][0] == 3  # the trained model's, logged at the last step
+        summary = (job / "summary.md").read_text()
+        assert f"| `val/loss` | {val_loss} |" in summary and f"| `train/loss` | {train_loss} |" in summary
+    assert "validation runs once, at the end of training (step 3)" in out.stdout + out.stderr

@@ -18,16 +18,18 @@ import lightning as L
 import numpy as np
 from torch.utils.data import ConcatDataset, DataLoader
 
+from bnlit import progress as progress_bars
+from bnlit.checkpointing import worker_ignores_interrupts
 from bnlit.data import embedded
 from bnlit.data.dataset import MixtureSampler, PackedWindows, mixture_counts
-from bnlit.data.pipeline import CleanConfig, clean_sources, read_clean
+from bnlit.data.pipeline import CleanConfig, clean_sources, load_stats, read_clean
 from bnlit.data.report import build_report, log_report, write_report
 from bnlit.data.shards import build_shards, is_validation, load_index, read_tokens
 from bnlit.data.sources import Source, check_exists, fingerprint, iter_documents
 from bnlit.errors import ConfigError, TokenizerError
 from bnlit.resume import gather_rng_states, resume_start, set_rng_state
 from bnlit.fertility import by_language, effective_shares, fertility_from_counts, token_weights_for_char_shares
-from bnlit.tokenizer import Tokenizer, sample_by_language, train_tokenizer, training_lines
+from bnlit.tokenizer import RECIPE_VERSION, Tokenizer, sample_by_language, train_tokenizer, training_lines
 
 log = logging.getLogger(__name__)
 TOKENIZER_FILE = "tokenizer.model"
@@ -48,6 +50,7 @@ class BnDataModule(L.LightningDataModule):
         ``chars`` (text; converted at setup into the token weights that deliver those character
         shares, from each source's characters per token under the run's tokenizer).
     prefetch_factor: batches each loader worker prepares ahead (None: torch's default).
+    progress: show progress bars while cleaning, training the tokenizer and building shards.
     """
 
     def __init__(
@@ -66,8 +69,10 @@ class BnDataModule(L.LightningDataModule):
         weight_unit: str = "tokens",
         prefetch_factor: int | None = None,
         clean: Mapping[str, Any] | None = None,
+        progress: bool = True,
     ):
         super().__init__()
+        progress_bars.ENABLED = progress
         if not sources:
             raise ConfigError("data.sources is empty; list at least one source")
         self.sources = [Source(**dict(s), field=f"data.sources[{i}]") for i, s in enumerate(sources)]
@@ -132,26 +137,42 @@ class BnDataModule(L.LightningDataModule):
                     "or train a tokenizer of that size"
                 )
             return tok
-        spec = {k: cfg.get(k) for k in ("vocab_size", "model_type", "character_coverage")}
         lang_weights = dict(cfg["lang_weights"]) if cfg.get("lang_weights") else None
         normalization = cfg.get("normalization") or "nfc"
-        if lang_weights or normalization != "nfc":  # keys of the default recipe stay as they were
-            spec.update(lang_weights=lang_weights, normalization=normalization)
+        split_digits = bool(cfg.get("split_digits", True))
+        word_freq = {k: float(v) for k, v in (cfg.get("word_frequencies") or {}).items() if v}
+        spec = {**{k: cfg.get(k) for k in ("vocab_size", "model_type", "character_coverage")},
+                "lang_weights": lang_weights, "normalization": normalization, "split_digits": split_digits,
+                "word_frequencies": word_freq, "recipe": RECIPE_VERSION}
         key = hashlib.sha256(json.dumps([spec, fingerprints, self.val_fraction]).encode()).hexdigest()[:16]
         path = self.cache_dir / "tokenizers" / key / TOKENIZER_FILE
-        if not path.is_file():
-            log.info("training a %d-token %s tokenizer on the training split", want, spec["model_type"])
+        if path.is_file():
+            log.info("data: tokenizer reused from %s", path)
+        else:
+            timer = progress_bars.Timer().__enter__()
             docs = (d for s, p in resolved for d in self._documents(s, p)
                     if not is_validation(d, self.val_fraction))
-            if lang_weights:
+            if lang_weights or word_freq:
                 by_lang: dict[str, list[str]] = {}
                 for s, p in resolved:
                     by_lang.setdefault(s.language, []).extend(
                         training_lines(d for d in self._documents(s, p) if not is_validation(d, self.val_fraction)))
-                docs = sample_by_language(by_lang, lang_weights, seed=self.seed)
+                for lang, ratio in word_freq.items():
+                    if by_lang.get(lang):  # a supplement to a language the sources have
+                        chars = int(ratio * sum(map(len, by_lang[lang])))
+                        by_lang[lang] += embedded.word_lines(lang, chars, seed=self.seed)
+                if lang_weights and set(lang_weights) - set(by_lang):
+                    log.info("tokenizer.lang_weights: data.sources have no %s text; weighting %s only",
+                             sorted(set(lang_weights) - set(by_lang)), sorted(set(lang_weights) & set(by_lang)))
+                    lang_weights = {k: v for k, v in lang_weights.items() if k in by_lang}
+                docs = sample_by_language(by_lang, lang_weights if len(lang_weights or ()) > 1 else None,
+                                          seed=self.seed)
             train_tokenizer(docs, path, vocab_size=want, model_type=spec["model_type"],
-                            character_coverage=spec["character_coverage"], normalization=normalization)
+                            character_coverage=spec["character_coverage"], normalization=normalization,
+                            split_digits=split_digits)
             (path.parent / "sources.json").write_text(json.dumps([s.to_dict() for s, _ in resolved], indent=2))
+            timer.__exit__()
+            progress_bars.stage_summary("tokenizer", f"trained: {want} {spec['model_type']} pieces", timer.seconds)
         return Tokenizer(path)
 
     def _build(self) -> None:
@@ -162,15 +183,23 @@ class BnDataModule(L.LightningDataModule):
         if self.clean_cfg.enabled:
             fingerprints = self._clean(resolved, fingerprints)
         self.tokenizer = self._tokenizer(resolved, fingerprints)
-        self.shard_dir = build_shards(
-            self.cache_dir / "shards",
-            [(s.name, s.language, self._documents(s, p)) for s, p in resolved],
-            fingerprints,
-            self.tokenizer,
-            self.val_fraction,
-            num_proc=self.num_proc,
-        )
+        total_chars = (sum(st["kept_chars"] for st in self.clean_stats["sources"].values())
+                       if self.clean_stats else None)
+        with progress_bars.Timer() as timer:
+            self.shard_dir = build_shards(
+                self.cache_dir / "shards",
+                [(s.name, s.language, self._documents(s, p)) for s, p in resolved],
+                fingerprints,
+                self.tokenizer,
+                self.val_fraction,
+                num_proc=self.num_proc,
+                total_chars=total_chars,
+            )
         self.index = load_index(self.shard_dir)
+        tokens = {split: sum(e[split]["tokens"] for e in self.index["sources"].values()) for split in ("train", "val")}
+        progress_bars.stage_summary("shards", f"{progress_bars.human(tokens['train'])} training and "
+                                    f"{progress_bars.human(tokens['val'])} validation tokens in {self.shard_dir}",
+                                    timer.seconds)
         self.report = build_report(self.index, self.clean_stats, self.shard_dir, self.clean_dir)
 
     def _clean(self, resolved, fingerprints: list[str]) -> list[str]:
@@ -190,11 +219,20 @@ class BnDataModule(L.LightningDataModule):
                                          [e[2] for e in evals]]).encode()).hexdigest()[:16]
         self.clean_dir = None
         out = self.cache_dir / "clean" / key
-        self.clean_stats = clean_sources(
-            out, [(s.name, s.language, self._documents(s, p)) for s, p in resolved],
-            self.clean_cfg, self.val_fraction,
-            eval_sets={f"eval/{src.name}": iter_documents(src, path, cache_dir=hf_cache) for src, path, _ in evals},
-            num_proc=self.num_proc)
+        local = [p for _, p in resolved]
+        cached = load_stats(out) is not None
+        with progress_bars.Timer() as timer:
+            self.clean_stats = clean_sources(
+                out, [(s.name, s.language, self._documents(s, p)) for s, p in resolved],
+                self.clean_cfg, self.val_fraction,
+                eval_sets={f"eval/{src.name}": iter_documents(src, path, cache_dir=hf_cache) for src, path, _ in evals},
+                num_proc=self.num_proc,
+                total_bytes=sum(p.stat().st_size for p in local) if all(local) else None)
+        st = self.clean_stats["sources"].values()
+        progress_bars.stage_summary(
+            "clean", f"{'reused: ' if cached else ''}kept {sum(x['kept_docs'] for x in st)} of {sum(x['input_docs'] for x in st)} documents "
+            f"({progress_bars.human(sum(x['kept_chars'] for x in st))} of "
+            f"{progress_bars.human(sum(x['input_chars'] for x in st))} characters) in {out}", timer.seconds)
         self.clean_dir = out
         return [f"{fp}:clean:{key}" for fp in fingerprints]
 
@@ -289,6 +327,7 @@ class BnDataModule(L.LightningDataModule):
             num_workers=self.num_workers,
             pin_memory=self.pin_memory,
             persistent_workers=self.num_workers > 0,
+            worker_init_fn=worker_ignores_interrupts if self.num_workers > 0 else None,  # Ctrl-C: see bnlit.checkpointing
             # batches each worker keeps ready (torch's default, 2, when None); workers only
             prefetch_factor=self.prefetch_factor if self.num_workers > 0 else None,
         )

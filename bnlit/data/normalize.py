@@ -25,6 +25,10 @@ Rules, in order:
 4. **Whitespace.** Runs of spaces inside a line collapse to one (leading indentation, as in code,
    is kept), spaces at line ends are stripped, three or more newlines become a paragraph break
    (two), and blank lines and spaces at the document's ends are removed.
+
+Rules 1-3 are :func:`normalize_chars`, the one character normalisation of bnlit: the tokenizer
+applies it to every text it encodes (``bnlit.tokenizer.normalize`` is this function), so text
+cleaned here and text a user types reach SentencePiece as the same code points.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from __future__ import annotations
 import re
 import unicodedata
 
+# bump when normalize_chars changes what it returns for some text: token shards are keyed by it
+NORMALIZATION_VERSION = 2
 ZWNJ, ZWJ = "\u200c", "\u200d"
 HASANTA = "\u09cd"
 NUKTA = "\u09bc"
@@ -119,15 +125,22 @@ def clean_whitespace(text: str) -> str:
     return text.strip("\n ").rstrip() if text.strip() else ""
 
 
-def normalize_text(text: str) -> str:
-    """Normalise one document: controls, NFC with decomposed nukta letters, joiners, whitespace.
-
-    Idempotent, and ``unicodedata.normalize("NFC", out) == out``.
-    """
+def normalize_chars(text: str) -> str:
+    """Rules 1-3 (controls, NFC with decomposed nukta letters, khanda-ta, joiners): the character
+    normalisation every text gets before a tokenizer sees it, in data cleaning (through
+    :func:`normalize_text`) and in ``bnlit.tokenizer.Tokenizer.encode`` alike. Whitespace is left
+    as it is. Idempotent, and ``unicodedata.normalize("NFC", out) == out``."""
     text = _NEWLINES.sub("\n", text).translate(_TABLE)
     text = unify_nukta(unicodedata.normalize("NFC", text))
     text = _LEGACY_KHANDA_TA.sub(KHANDA_TA, text)
     text = clean_joiners(text)
-    text = clean_whitespace(text)
     # removing a joiner can bring canonically reorderable marks together; NFC again is cheap
     return unicodedata.normalize("NFC", text)
+
+
+def normalize_text(text: str) -> str:
+    """Normalise one document: :func:`normalize_chars`, then whitespace (rule 4).
+
+    Idempotent, and ``unicodedata.normalize("NFC", out) == out``.
+    """
+    return clean_whitespace(normalize_chars(text))

@@ -23,6 +23,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bnlit import progress
 from bnlit.data import filters as F
 from bnlit.data.decontam import DecontamConfig, Decontaminator
 from bnlit.data.dedup import DedupConfig, Deduplicator, canonical_words, exact_key, signature
@@ -121,9 +122,11 @@ def clean_sources(
     val_fraction: float,
     eval_sets: dict[str, Iterable[str]] | None = None,
     num_proc: int = 1,
+    total_bytes: int | None = None,
 ) -> dict:
     """Clean ``sources`` (name, language, documents) into ``out_dir`` unless already done;
-    returns the stats (also in ``out_dir/stats.json``)."""
+    returns the stats (also in ``out_dir/stats.json``). ``total_bytes``: the UTF-8 size of the
+    input, if known, for the progress bar's ETA."""
     out_dir = Path(out_dir)
     done = load_stats(out_dir)
     if done is not None:
@@ -133,7 +136,7 @@ def clean_sources(
     tmp.mkdir(parents=True)
     pool = mp.get_context("spawn").Pool(num_proc) if num_proc > 1 else None
     try:
-        stats = _clean(tmp, sources, cfg, val_fraction, eval_sets or {}, pool, num_proc)
+        stats = _clean(tmp, sources, cfg, val_fraction, eval_sets or {}, pool, num_proc, total_bytes)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -153,13 +156,15 @@ def clean_sources(
     return load_stats(out_dir)
 
 
-def _clean(tmp: Path, sources, cfg: CleanConfig, val_fraction: float, eval_sets, pool, num_proc: int) -> dict:
+def _clean(tmp: Path, sources, cfg: CleanConfig, val_fraction: float, eval_sets, pool, num_proc: int,
+           total_bytes: int | None = None) -> dict:
     dedup = Deduplicator(cfg.dedup)
     dc = cfg.decontam
     decon = Decontaminator(dc.ngram, dc.min_overlap) if dc.enabled else None
     per_source: dict[str, dict] = {}
     chunk_chars = CHUNK_CHARS // max(1, num_proc)
     # pass 1: normalise, filter, dedup, split; validation texts go into the evaluation index
+    bar = progress.bar("clean: normalise, filter, dedup", total=total_bytes, unit="B", unit_scale=True)
     for name, language, docs in sources:
         fstats = F.FilterStats()
         s = per_source[name] = {"language": language, "input_docs": 0, "input_chars": 0, "normalized_changed": 0}
@@ -173,6 +178,7 @@ def _clean(tmp: Path, sources, cfg: CleanConfig, val_fraction: float, eval_sets,
         with (tmp / f"{name}.pass1.jsonl").open("w", encoding="utf-8") as f:
             for results in ordered_map(_prepare, tasks(), pool):
                 for original, (text, reason, key, sig) in zip(raw_chunks.popleft(), results):
+                    bar.update(len(original.encode("utf-8")))
                     s["input_docs"] += 1
                     s["input_chars"] += len(original)
                     s["normalized_changed"] += text != original
@@ -186,6 +192,7 @@ def _clean(tmp: Path, sources, cfg: CleanConfig, val_fraction: float, eval_sets,
                         decon.add(f"val/{language}", text)
                     f.write(json.dumps({"text": text, "val": val}, ensure_ascii=False) + "\n")
         s["filters"] = fstats.to_dict()
+    bar.close()
     decon_pool = None
     if decon is not None:
         for set_name, texts in eval_sets.items():
@@ -197,10 +204,12 @@ def _clean(tmp: Path, sources, cfg: CleanConfig, val_fraction: float, eval_sets,
         else:
             _init_decon(decon)
     # pass 2: decontaminate the training documents, write the kept documents in order
+    bar = progress.bar("clean: decontaminate", total=sum(dedup_kept(tmp, n) for n, _, _ in sources))
     try:
         for name, _, _ in sources:
-            _pass2(tmp, name, per_source[name], decon, dc, decon_pool, chunk_chars)
+            _pass2(tmp, name, per_source[name], decon, dc, decon_pool, chunk_chars, bar)
     finally:
+        bar.close()
         if decon_pool is not None:
             decon_pool.close()
             decon_pool.join()
@@ -216,11 +225,19 @@ def _clean(tmp: Path, sources, cfg: CleanConfig, val_fraction: float, eval_sets,
     }
 
 
-def _pass2(tmp: Path, name: str, s: dict, decon, dc: DecontamConfig, pool, chunk_chars: int) -> None:
+def dedup_kept(tmp: Path, name: str) -> int:
+    """Documents of source ``name`` that passed pass 1 (lines of its pass-1 file)."""
+    with (tmp / f"{name}.pass1.jsonl").open("rb") as f:
+        return sum(1 for _ in f)
+
+
+def _pass2(tmp: Path, name: str, s: dict, decon, dc: DecontamConfig, pool, chunk_chars: int, bar=None) -> None:
     s.update(kept_docs=0, kept_chars=0, decontam={"docs": 0, "chars": 0, "by_set": {}})
     src = tmp / f"{name}.pass1.jsonl"
     with (tmp / f"{name}.jsonl").open("w", encoding="utf-8") as f:
         for row, hits in _decontaminate(src, decon, pool, chunk_chars):
+            if bar is not None:
+                bar.update()
             if hits:
                 s["decontam"]["docs"] += 1
                 s["decontam"]["chars"] += len(row["text"])

@@ -28,7 +28,9 @@ from pathlib import Path
 
 import numpy as np
 
+from bnlit.data.normalize import NORMALIZATION_VERSION
 from bnlit.errors import DataError
+from bnlit.progress import bar as progress_bar
 from bnlit.tokenizer import Tokenizer
 
 FORMAT_VERSION = 1
@@ -52,7 +54,8 @@ def is_validation(text: str, val_fraction: float) -> bool:
 
 
 def shard_key(fingerprints: list[str], tokenizer_sha256: str, val_fraction: float) -> str:
-    payload = json.dumps([FORMAT_VERSION, fingerprints, tokenizer_sha256, val_fraction])
+    # the encode-time normalisation is part of what the tokens mean (bnlit/data/normalize.py)
+    payload = json.dumps([FORMAT_VERSION, fingerprints, tokenizer_sha256, val_fraction, NORMALIZATION_VERSION])
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
@@ -144,7 +147,7 @@ def _kill_hook(committed: int) -> None:
 
 
 def _build_source(work: Path, name: str, docs: Iterable[str], state: dict, pool, chunk_chars: int,
-                  on_chunk: Callable[[], None]) -> None:
+                  on_chunk: Callable[[int], None]) -> None:
     """Append ``docs``' chunks after the ``state["chunks"]`` already committed."""
     files = {}
     try:
@@ -167,7 +170,7 @@ def _build_source(work: Path, name: str, docs: Iterable[str], state: dict, pool,
                 st.add(stats[split])
                 state[split].update(st.__dict__, file_bytes=state[split]["file_bytes"] + len(data[split]))
             state["chunks"] += 1
-            on_chunk()
+            on_chunk(sum(stats[split].chars for split in SPLITS))
         state["done"] = True
     finally:
         for f in files.values():
@@ -182,11 +185,13 @@ def build_shards(
     val_fraction: float,
     num_proc: int = 1,
     chunk_chars: int = CHUNK_CHARS,
+    total_chars: int | None = None,
 ) -> Path:
     """Tokenize ``sources`` (name, language, documents) into ``root/<key>/`` unless it exists.
 
     Returns the shard directory. An interrupted build of the same key resumes (see the module
     docstring); ``root/<key>/build.json`` records how many chunks were tokenized and reused.
+    ``total_chars``: the characters of all sources, if known, for the progress bar's ETA.
     """
     key = shard_key(fingerprints, tokenizer.sha256, val_fraction)
     root = Path(root)
@@ -198,10 +203,12 @@ def build_shards(
         fcntl.flock(lock, fcntl.LOCK_EX)  # a concurrent builder of this key finishes first
         if (final / INDEX_FILE).is_file():
             return final
-        return _build_locked(root, key, sources, fingerprints, tokenizer, val_fraction, num_proc, chunk_chars)
+        return _build_locked(root, key, sources, fingerprints, tokenizer, val_fraction, num_proc, chunk_chars,
+                             total_chars)
 
 
-def _build_locked(root, key, sources, fingerprints, tokenizer, val_fraction, num_proc, chunk_chars) -> Path:
+def _build_locked(root, key, sources, fingerprints, tokenizer, val_fraction, num_proc, chunk_chars,
+                  total_chars=None) -> Path:
     final = root / key
     work = root / f".{key}.partial"
     work.mkdir(exist_ok=True)
@@ -215,8 +222,11 @@ def _build_locked(root, key, sources, fingerprints, tokenizer, val_fraction, num
         progress = blank
     resumed = sum(st["chunks"] for st in progress["sources"].values())
     committed = [0]
+    bar = progress_bar("shards: tokenize", total=total_chars, unit="char", unit_scale=True)
+    bar.update(sum(st[split]["chars"] for st in progress["sources"].values() for split in SPLITS))  # resumed
 
-    def on_chunk() -> None:
+    def on_chunk(chars: int) -> None:
+        bar.update(chars)
         _write_json(work / PROGRESS_FILE, progress)
         committed[0] += 1
         _kill_hook(committed[0])
@@ -236,6 +246,7 @@ def _build_locked(root, key, sources, fingerprints, tokenizer, val_fraction, num
                 _build_source(work, name, docs, state, pool, chunk_chars, on_chunk)
                 _write_json(work / PROGRESS_FILE, progress)
     finally:
+        bar.close()
         if pool is not None:
             pool.close()
             pool.join()

@@ -4,7 +4,6 @@ embedded default corpus (``embedded:bn``, ``embedded:en``) or a hub dataset id."
 
 from __future__ import annotations
 
-import codecs
 import hashlib
 import os
 import socket
@@ -13,6 +12,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bnlit.errors import DataError
+from bnlit.validate import check_exists, check_jsonl_file, check_text_file  # noqa: F401 (re-exported)
 
 _BUILDERS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 HUB_HOST = "huggingface.co"
@@ -69,34 +69,6 @@ class Source:
         return {k: v for k, v in asdict(self).items() if k != "field" and not (k == "hub_data_dir" and v is None)}
 
 
-def check_exists(path: Path, field: str) -> None:
-    if not path.is_file():
-        raise DataError(f"{field}: file {path} does not exist; fix the path")
-    if path.stat().st_size == 0:
-        raise DataError(f"{field}: file {path} is empty; point it at a file with text")
-
-
-def check_text_file(path: Path, field: str) -> None:
-    """Fail with one line if ``path`` is missing, empty or not UTF-8 (reporting the byte offset)."""
-    check_exists(path, field)
-    decoder = codecs.getincrementaldecoder("utf-8")()
-    offset = 0
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            try:
-                decoder.decode(chunk)
-            except UnicodeDecodeError as e:
-                raise DataError(
-                    f"{field}: file {path} is not valid UTF-8 (byte {offset + e.start}); "
-                    "re-encode it, e.g. `iconv -f <encoding> -t utf-8`"
-                ) from None
-            offset += len(chunk)
-        try:
-            decoder.decode(b"", final=True)
-        except UnicodeDecodeError:
-            raise DataError(f"{field}: file {path} ends inside a UTF-8 sequence (truncated?); re-encode it") from None
-
-
 def fingerprint(source: Source, resolved_path: Path | None) -> str:
     """Content hash of a local file, or the identity of a hub dataset; shards are rebuilt when it
     changes."""
@@ -129,11 +101,19 @@ def iter_documents(source: Source, resolved_path: Path | None, cache_dir: str | 
             if builder is None:
                 raise DataError(f"{source.field}.path: {resolved_path} has an unknown extension; "
                                 f"use one of {sorted(_BUILDERS)}")
-            if builder != "parquet":
-                check_text_file(resolved_path, f"{source.field}.path")
+            field = f"{source.field}.path"
+            if builder == "text":
+                check_text_file(resolved_path, field)
+            else:
+                check_exists(resolved_path, field)
             kwargs = {"sample_by": source.sample_by} if builder == "text" else {}
-            ds = datasets.load_dataset(builder, data_files=str(resolved_path), split="train",
-                                       cache_dir=cache_dir, **kwargs)
+            try:
+                ds = datasets.load_dataset(builder, data_files=str(resolved_path), split="train",
+                                           cache_dir=cache_dir, **kwargs)
+            except Exception:
+                if builder == "json":  # pyarrow names no line: find the bad one, with the fix
+                    check_jsonl_file(resolved_path, field, source.text_field)
+                raise
         else:
             ds = _load_hub(source, cache_dir)
     except DataError:
@@ -145,8 +125,11 @@ def iter_documents(source: Source, resolved_path: Path | None, cache_dir: str | 
         raise DataError(f"{source.field}.text_field={source.text_field!r}: not a column of "
                         f"{source.path or source.hub_id}; columns are {ds.column_names}")
     n = 0
-    for row in ds:
+    for i, row in enumerate(ds, 1):
         text = row[source.text_field]
+        if text is not None and not isinstance(text, str):
+            raise DataError(f"{source.field}: row {i} of {source.path or source.hub_id}: {source.text_field!r} is "
+                            f"{type(text).__name__} ({str(text)[:40]}), not a string; fix that row or choose another text_field")
         if text and text.strip():
             yield text
             n += 1

@@ -1,0 +1,60 @@
+"""How many intra-op threads torch uses on CPU, chosen from the cores and the load.
+
+On a quiet machine every core helps. On a machine whose cores are already busy with other jobs,
+each extra OpenMP thread waits at every barrier for a core the scheduler gives to someone else,
+and a step slows by far more than the load ratio (README "Threads and load": paired
+``scripts/bench_threads.py`` figures). ``threads: auto`` therefore asks for the cores that are
+idle now, at least one; an integer pins the count.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+
+import torch
+
+from bnlit.errors import ConfigError
+
+log = logging.getLogger("bnlit")
+
+
+def available_cpus() -> int:
+    """Cores this process may run on (its affinity mask, e.g. under SLURM or taskset)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def load_average() -> float | None:
+    """The 1-minute load average, or None where the OS has none."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def choose_threads(setting: int | str, cpus: int, load: float | None) -> tuple[int, str]:
+    """``(threads, why)`` for ``threads=setting`` on ``cpus`` cores at 1-minute ``load``.
+
+    ``auto``: the idle cores, ``cpus - load`` rounded to the nearest integer, between 1 and ``cpus``
+    (all of them when the load is unknown).
+    """
+    if setting == "auto":
+        if load is None:
+            return cpus, f"auto: {cpus} cores, load average unknown"
+        idle = max(1, min(cpus, math.floor(cpus - load + 0.5)))
+        return idle, f"auto: {cpus} cores, load average {load:.2f} leaves {idle} idle"
+    if isinstance(setting, int) and not isinstance(setting, bool) and setting >= 1:
+        return setting, "set by threads"
+    raise ConfigError(f"threads={setting!r}: use auto or an integer >= 1, e.g. threads=1 on a busy machine")
+
+
+def set_threads(setting: int | str) -> int:
+    """Apply :func:`choose_threads` to torch and log the choice with the load; returns the count."""
+    n, why = choose_threads(setting, available_cpus(), load_average())
+    torch.set_num_threads(n)
+    log.info("threads: %d (%s)", n, why)
+    return n

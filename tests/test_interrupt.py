@@ -1,0 +1,202 @@
+"""Interrupt-safe runs and checkpoint hygiene: SIGTERM and Ctrl-C mid-run write a checkpoint of
+that step and resume onto the uninterrupted curve, bit for bit; a second Ctrl-C during the save
+corrupts nothing; ``ckpt_path=last`` takes the newest complete checkpoint by step; partial writes
+are removed; ``save_top_k`` spans processes; no ``-v1`` copies; the metrics CSV keeps its rows."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+
+from bnlit.checkpointing import (
+    Interrupted, SignalLatch, checkpoint_step, newest_checkpoint, newest_k, remove_partial_writes, tmp_name,
+)
+from bnlit.ckpt_io import AtomicCheckpointIO
+from bnlit.csv_logger import read_whole_rows
+from bnlit.summary import read_metrics
+from conftest import TINY
+
+TESTS = Path(__file__).parent
+STEPS = ["trainer.max_steps=8", "callbacks.model_checkpoint.every_n_train_steps=3", "trainer.val_check_interval=4",
+         "callbacks.model_checkpoint.save_top_k=2"]
+
+
+class SignalAt(L.Callback):
+    """Test-only: send this process ``signum`` as batch ``step`` starts (and, with ``again``, once
+    more while the interrupt checkpoint is being written: a second Ctrl-C during the save)."""
+
+    def __init__(self, step: int, signum: str = "SIGTERM", again: bool = False):
+        self.step, self.signum, self.again = step, getattr(signal, signum), again
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), self.signum)
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        if self.again and trainer.global_step == self.step + 1:
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while the checkpoint is being written
+
+
+def run_cli(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, "-m", "bnlit.train", *TINY, *STEPS, f"hydra.run.dir={run_dir}", *overrides],
+                          capture_output=True, text=True, env=env, cwd=run_dir.parent, timeout=600)
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return dict(read_metrics(run_dir / "csv" / "metrics.csv")["train/loss"])
+
+
+def ckpt_names(run_dir: Path) -> list[str]:
+    return sorted(p.name for p in (run_dir / "checkpoints").iterdir() if "ckpt" in p.name)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, cache_dir) -> dict[int, float]:
+    run = tmp_path_factory.mktemp("reference") / "run"
+    out = run_cli(run)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert ckpt_names(run) == ["last.ckpt", "step0000003.ckpt", "step0000006.ckpt"]
+    return losses(run)
+
+
+@pytest.mark.slow
+def test_sigterm_mid_run_checkpoints_that_step_and_resumes_exactly(reference, tmp_path):
+    """SIGTERM at step 4 and a Ctrl-C during the checkpoint write: the step in flight finishes,
+    is saved, and the run stops with the resume line. Then the debris of a kill mid-write (a
+    partial temporary file, a last.ckpt that lags behind, a torn CSV row) is planted: the restart
+    with ``ckpt_path=last`` removes the partial file, resumes from the newest complete step, keeps
+    the metrics rows and ends on the uninterrupted curve, bit for bit."""
+    run = tmp_path / "run"
+    out = run_cli(run, "+callbacks.signal._target_=test_interrupt.SignalAt", "+callbacks.signal.step=4",
+                  "+callbacks.signal.again=true")
+    assert out.returncode == 128 + signal.SIGTERM, out.stderr[-3000:]
+    # the step in flight when the signal came (batch 4) finishes: 5 optimizer steps are saved
+    line = f"interrupted at step 5: saved checkpoints/step0000005.ckpt; resume with ckpt_path=last hydra.run.dir={run}"
+    assert line in out.stderr.splitlines(), out.stderr[-3000:]
+    assert "SIGINT received again: still saving" in out.stderr
+    assert ckpt_names(run) == ["last.ckpt", "step0000003.ckpt", "step0000005.ckpt"]
+    assert checkpoint_step(run / "checkpoints" / "step0000005.ckpt") == 5
+    assert sorted(losses(run)) == [0, 1, 2, 3, 4]  # this step's row too: logged before the stop
+
+    ckpts = run / "checkpoints"
+    partial = ckpts / ".step0000006.ckpt.tmp4242"
+    partial.write_bytes((ckpts / "step0000005.ckpt").read_bytes()[:5000])
+    assert checkpoint_step(ckpts / "last.ckpt") == 3  # last.ckpt lags behind step0000005.ckpt
+    csv_path = run / "csv" / "metrics.csv"
+    with csv_path.open("a") as f:
+        f.write("0,1.23")  # a row torn by a kill
+    resumed = run_cli(run, "ckpt_path=last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert not partial.exists()
+    assert losses(run) == reference  # the earlier rows kept, the later ones bit-identical
+    assert csv_path.read_bytes().endswith(b"\n") and all(None not in r.values() for r in read_whole_rows(csv_path)[1])
+    # save_top_k=2 across both processes: step 3 (the first process's) is pruned
+    assert ckpt_names(run) == ["last.ckpt", "step0000005.ckpt", "step0000006.ckpt"]
+
+    # resumed from an explicit earlier step, step 6 is written again: in place, not as a -v1 copy
+    again = run_cli(run, f"ckpt_path={ckpts}/step0000005.ckpt", "trainer.max_steps=6")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert ckpt_names(run) == ["last.ckpt", "step0000005.ckpt", "step0000006.ckpt"]
+    assert losses(run) == reference
+
+
+def save(path: Path, step: int) -> None:
+    AtomicCheckpointIO().save_checkpoint({"global_step": step, "w": torch.ones(3)}, path)
+
+
+def test_newest_checkpoint_is_chosen_by_step_and_must_be_complete(tmp_path):
+    save(tmp_path / "last.ckpt", 10)
+    save(tmp_path / "step0000020.ckpt", 20)
+    save(tmp_path / "step0000100.ckpt", 9)  # a name that sorts last but holds an older step
+    assert newest_checkpoint(tmp_path) == tmp_path / "step0000020.ckpt"
+    (tmp_path / "step0000030.ckpt").write_bytes((tmp_path / "step0000020.ckpt").read_bytes()[:-200])  # torn
+    assert checkpoint_step(tmp_path / "step0000030.ckpt") is None
+    assert newest_checkpoint(tmp_path) == tmp_path / "step0000020.ckpt"
+    save(tmp_path / "last.ckpt", 20)  # the same step: the step file names it
+    assert newest_checkpoint(tmp_path) == tmp_path / "step0000020.ckpt"
+    assert newest_checkpoint(tmp_path / "missing") is None
+
+
+def test_resolve_last_names_a_dir_of_torn_files(tmp_path):
+    from bnlit.errors import CheckpointError
+    from bnlit.train import resolve_ckpt_path
+
+    (tmp_path / "last.ckpt").write_bytes(b"PK\x03\x04")
+    with pytest.raises(CheckpointError, match=r"ckpt_path=last: no complete checkpoint in .* \(1 .ckpt files do not "
+                                              r"open: truncated or corrupt\); set hydra.run.dir"):
+        resolve_ckpt_path("last", tmp_path, overwrite=False)
+
+
+def test_requeued_slurm_job_resumes_without_ckpt_path(tmp_path, monkeypatch):
+    from bnlit.errors import CheckpointError
+    from bnlit.train import resolve_ckpt_path
+
+    save(tmp_path / "step0000004.ckpt", 4)
+    with pytest.raises(CheckpointError, match="already holds checkpoints"):
+        resolve_ckpt_path(None, tmp_path, overwrite=False)
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    assert resolve_ckpt_path(None, tmp_path, overwrite=False) == str(tmp_path / "step0000004.ckpt")
+
+
+def test_partial_writes_are_removed_and_only_they(tmp_path):
+    save(tmp_path / "last.ckpt", 3)
+    partial = tmp_name(tmp_path / "last.ckpt")
+    partial.write_bytes(b"half")
+    assert remove_partial_writes(tmp_path) == [partial]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+
+
+def test_newest_k_keeps_the_highest_steps():
+    assert newest_k({"a": 3, "b": 9, "c": 6}, 2) == ({"b", "c"}, {"a"})
+    assert newest_k({"a": 3}, -1) == ({"a"}, set())
+
+
+def test_torn_csv_rows_are_dropped(tmp_path):
+    p = tmp_path / "metrics.csv"
+    p.write_text("epoch,step,train/loss\n0,0,7.5\n0,1,7.25\n0,2\n0,3,7.")
+    header, rows = read_whole_rows(p)
+    assert header == ["epoch", "step", "train/loss"]
+    assert [r["step"] for r in rows] == ["0", "1"]
+
+
+def test_a_second_signal_is_latched_not_raised():
+    latch = SignalLatch(["SIGUSR1"])
+    latch.remember_outer()
+    latch.install()
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert latch.received == signal.SIGUSR1
+    finally:
+        latch.restore()
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
+    e = Interrupted(signal.SIGTERM, 37, Path("/r/checkpoints/step0000037.ckpt"))
+    assert e.exit_code == 143
+    assert e.message(Path("/r")) == ("interrupted at step 37: saved checkpoints/step0000037.ckpt; resume with "
+                                     "ckpt_path=last hydra.run.dir=/r")
+
+
+class SelfInterrupting(torch.utils.data.Dataset):
+    """Each item sends its own worker a SIGINT, as a Ctrl-C in a terminal does."""
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        os.kill(os.getpid(), signal.SIGINT)
+        return torch.tensor(i)
+
+
+def test_data_loader_workers_survive_ctrl_c():
+    from bnlit.checkpointing import worker_ignores_interrupts
+
+    loader = torch.utils.data.DataLoader(SelfInterrupting(), num_workers=1, worker_init_fn=worker_ignores_interrupts)
+    assert [int(x) for x in loader] == [0, 1, 2, 3]

@@ -1,0 +1,104 @@
+"""Progress the user can trust: the training bar counts the run's optimizer steps across epochs,
+the data build shows its stages, and the thread count follows the load."""
+
+from __future__ import annotations
+
+import logging
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from bnlit import progress
+from bnlit.threads import choose_threads
+from bnlit.callbacks.progress_bar import RunProgressBar, run_total_steps
+
+
+class Tiny(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        return self.layer(x).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class Spy(RunProgressBar):
+    def __init__(self):
+        super().__init__(refresh_rate=1)
+        self.seen: list[tuple[int, int, int | None]] = []  # (epoch, bar.n, bar.total)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        bar = self.train_progress_bar
+        self.seen.append((trainer.current_epoch, bar.n, bar.total))
+
+
+def test_bar_counts_optimizer_steps_across_epochs(tmp_path):
+    """5 batches an epoch, 2 batches an optimizer step, 7 steps: the bar goes 1..7 of 7 over
+    three epochs, never back to 0 at an epoch boundary."""
+    data = DataLoader(TensorDataset(torch.randn(10, 4)), batch_size=2)
+    spy = Spy()
+    trainer = L.Trainer(max_steps=7, accumulate_grad_batches=2, callbacks=[spy], logger=False,
+                        enable_checkpointing=False, enable_model_summary=False, default_root_dir=tmp_path)
+    trainer.fit(Tiny(), data)
+    assert trainer.global_step == 7
+    assert {total for _, _, total in spy.seen} == {7}
+    shown = [n for _, n, _ in spy.seen]
+    assert shown == sorted(shown) and shown[-1] == 7 and set(shown) == set(range(8)) - {0} | ({0} & set(shown))
+    assert {epoch for epoch, _, _ in spy.seen} == {0, 1, 2}  # it crossed two epoch boundaries
+
+
+def test_run_total_steps_from_epochs(tmp_path):
+    data = DataLoader(TensorDataset(torch.randn(12, 4)), batch_size=2)  # 6 batches an epoch
+    trainer = L.Trainer(max_epochs=2, accumulate_grad_batches=3, logger=False, enable_checkpointing=False,
+                        enable_model_summary=False, enable_progress_bar=False, default_root_dir=tmp_path)
+    trainer.fit(Tiny(), data)
+    assert run_total_steps(trainer) == 4 == trainer.global_step
+
+
+@pytest.mark.parametrize("cpus,load,want", [(2, 0.1, 2), (2, 0.6, 1), (2, 0.4, 2), (2, 20.0, 1), (16, 3.2, 13),
+                                            (4, None, 4), (1, 0.0, 1)])
+def test_auto_threads_take_the_idle_cores(cpus, load, want):
+    n, why = choose_threads("auto", cpus, load)
+    assert n == want
+    assert why.startswith(f"auto: {cpus} cores, load average ")
+
+
+def test_pinned_threads():
+    assert choose_threads(3, 2, 50.0) == (3, "set by threads")
+
+
+def test_data_stages_show_progress_and_a_summary(tmp_path, capsys, caplog):
+    """Tokenizer training on a small corpus: a bar on stdout that reaches its merges total, and
+    SentencePiece's own log lines do not leak to stderr."""
+    from bnlit.tokenizer import train_tokenizer
+
+    import random
+
+    rng = random.Random(0)
+    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9))) for _ in range(3000)]
+    docs = [" ".join(rng.choice(words) for _ in range(30)) + " এটি বাংলা বাক্য।" for _ in range(1500)]
+    progress.ENABLED = True
+    try:
+        train_tokenizer(docs, tmp_path / "t.model", vocab_size=1000)
+    finally:
+        progress.ENABLED = True
+    out, err = capsys.readouterr()
+    frames = out.replace("\r", "\n")
+    assert "tokenizer: reading" in frames
+    merges = [line for line in frames.splitlines() if line.startswith("tokenizer: bpe merges")]
+    assert merges and "100%" in merges[-1]
+    assert "trainer_interface" not in err and "bpe_model_trainer" not in err
+    with caplog.at_level(logging.INFO, logger="bnlit"):
+        progress.stage_summary("shards", "4.2M training tokens", 12.34)
+    assert caplog.records[-1].getMessage() == "data: shards 4.2M training tokens in 12.3 s"
+
+
+def test_human_counts():
+    assert [progress.human(x) for x in (999, 4_200_000, 61_500, 2.5e9)] == ["999", "4.2M", "61.5k", "2.5G"]

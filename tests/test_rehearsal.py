@@ -1,0 +1,202 @@
+"""The production path, executed on CPU (``debug=rehearsal``): ``trainer=h100``, ``trainer=fsdp``
+(2 processes, FSDP2 over gloo) and ``trainer=multinode`` (2 processes on one node) each train
+with every switch of their profile on, validate, checkpoint, state their fast path in one line and
+pass the gradient-flow arbiter. FSDP2 matches 1 process with the same global batch, resumes from
+its own checkpoint with ``ckpt_path=last``, and a planted zero-gradient parameter is caught by name
+on sharded parameters."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from bnlit import CONF_DIR
+from bnlit.summary import read_metrics
+from conftest import TINY
+
+# the rehearsal's own seq_len/batch/steps stay; only the data is cut to the test corpus
+DATA = [o for o in TINY if o.split("=")[0].lstrip("+~") in (
+    "model.config.vocab_size", "data.sources.0.max_docs", "data.val_fraction", "data.sources.1.max_docs",
+    "data.num_proc", "logger", "callbacks.fertility.floors.bn", "trainer.enable_progress_bar", "callbacks.progress_bar")]
+
+
+def run_cli(run_dir: Path, *overrides: str, timeout: int = 1500) -> subprocess.CompletedProcess:
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "bnlit.train", *DATA, f"hydra.run.dir={run_dir}", *overrides],
+                          capture_output=True, text=True, cwd=run_dir.parent, env=env, timeout=timeout)
+
+
+def metric(run_dir: Path, key: str) -> dict[int, float]:
+    return dict(read_metrics(run_dir / "csv" / "metrics.csv")[key])
+
+
+def compose_cfg(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose("train", overrides=list(overrides))
+
+
+def test_rehearsal_keeps_every_switch_of_the_profile_and_changes_only_what_cpu_needs():
+    for profile, devices in (("h100", 1), ("fsdp", 2), ("multinode", 2)):
+        gpu, cpu = compose_cfg("model=tiny", f"trainer={profile}"), compose_cfg("model=tiny", f"trainer={profile}", "debug=rehearsal")
+        assert (cpu.trainer.accelerator, cpu.trainer.devices, cpu.trainer.num_nodes) == ("cpu", devices, 1)
+        for key in ("trainer.precision", "trainer.strategy", "trainer.accumulate_grad_batches", "trainer.gradient_clip_val",
+                    "module.compile", "module.fullgraph", "module.sdpa_backend", "optimizer.fused",
+                    "data.num_workers", "data.prefetch_factor", "data.pin_memory"):
+            assert OmegaConf.select(cpu, key) == OmegaConf.select(gpu, key), (profile, key)
+        assert set(cpu.callbacks) == set(gpu.callbacks)
+        assert cpu.data.seq_len < gpu.data.seq_len and cpu.trainer.max_steps < gpu.trainer.max_steps
+        assert cpu.trainer.val_check_interval <= cpu.trainer.max_steps
+        assert cpu.callbacks.model_checkpoint.every_n_train_steps <= cpu.trainer.max_steps
+
+
+def test_fsdp_profile_builds_the_strategy_the_rehearsal_runs():
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    for overrides in (("model=1b", "trainer=fsdp"), ("model=tiny", "trainer=fsdp", "debug=rehearsal")):
+        strategy = instantiate(compose_cfg(*overrides).trainer.strategy)
+        assert isinstance(strategy, ModelParallelStrategy)
+        assert strategy._save_distributed_checkpoint is False  # one full file: atomic IO, any world size
+
+
+def assert_rehearsal(out: subprocess.CompletedProcess, run_dir: Path, fast_path: str) -> str:
+    assert out.returncode == 0, out.stderr[-4000:]
+    log = (run_dir / "train.log").read_text()
+    assert fast_path in log, [l for l in log.splitlines() if "fast path" in l]
+    assert "gradient flow: " in log and "parameters ok at step 1" in log
+    assert (run_dir / "checkpoints" / "last.ckpt").is_file()
+    assert metric(run_dir, "val/loss")  # validated inside the run
+    summary = (run_dir / "summary.md").read_text()
+    assert fast_path in summary
+    return log
+
+
+@pytest.mark.slow
+def test_h100_rehearsal(tmp_path, cache_dir):
+    run = tmp_path / "h100" / "run"
+    out = run_cli(run, "model=tiny", "trainer=h100", "debug=rehearsal")
+    log = assert_rehearsal(out, run, "fast path: bf16-mixed autocast, torch.compile(fullgraph), fused AdamW, "
+                                     "sdpa=cpu (flash requested: CUDA-only, cpu kernel instead), "
+                                     "strategy=single device (cpu), accumulate=16, workers=4 (prefetch 4, ")
+    assert "fast-path parity (bf16-mixed, compiled)" in log
+    assert sorted(metric(run, "train/loss")) == [0, 1, 2, 3]
+    # scripts/gpu_check.py reads its train_h100 check from such a run dir
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    from gpu_check import read_run
+
+    r = read_run(run)
+    assert r["tokens_per_s"] > 0 and r["mfu_pct"] > 0 and r["peak_memory_gib"] > 0 and r["checkpoint"]
+    assert r["parity"].startswith("fast-path parity (bf16-mixed, compiled): 20/20 parameters within tolerance")
+    assert r["fast_path"].startswith("fast path: bf16-mixed autocast")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_multinode_rehearsal(tmp_path, cache_dir):
+    run = tmp_path / "multinode" / "run"
+    out = run_cli(run, "model=tiny", "trainer=multinode", "debug=rehearsal")
+    log = assert_rehearsal(out, run, "fast path: bf16-mixed autocast, torch.compile(fullgraph), fused AdamW, "
+                                     "sdpa=cpu (flash requested: CUDA-only, cpu kernel instead), "
+                                     "strategy=ddp(2, gloo), accumulate=1, workers=4")
+    assert "fast-path parity (bf16-mixed, compiled)" in log
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_fsdp_rehearsal_parity_and_resume(tmp_path, cache_dir):
+    """The full FSDP2 rehearsal (bf16, per-block compile, fused AdamW), then in fp32 eager for exact
+    comparisons: 2 sharded processes match 1 unsharded process with the same global batch, and the
+    sharded run resumes from its step-2 checkpoint with ``ckpt_path=last`` onto the same curve."""
+    run = tmp_path / "fsdp" / "run"
+    out = run_cli(run, "model=tiny", "trainer=fsdp", "debug=rehearsal")
+    assert_rehearsal(out, run, "fast path: bf16-mixed autocast, torch.compile(fullgraph) x2 blocks, fused AdamW, "
+                               "sdpa=cpu (flash requested: CUDA-only, cpu kernel instead), "
+                               "strategy=fsdp2(2, gloo), accumulate=2, workers=4")
+
+    exact = ["trainer.precision=32-true", "module.compile=false", "data.num_workers=0", "validate_at_start=false"]
+    one, two = tmp_path / "one" / "run", tmp_path / "two" / "run"
+    # the 1-process reference: the same profile without the strategy (trainer=fsdp is h100 + FSDP2 + accumulate 2)
+    out = run_cli(one, "model=tiny", "trainer=h100", "debug=rehearsal", *exact, "data.batch_size=4",
+                  "trainer.accumulate_grad_batches=2")
+    assert out.returncode == 0, out.stderr[-4000:]
+    out = run_cli(two, "model=tiny", "trainer=fsdp", "debug=rehearsal", *exact)
+    assert out.returncode == 0, out.stderr[-4000:]
+    ref, got = metric(one, "train/loss"), metric(two, "train/loss")
+    assert sorted(got) == sorted(ref) == [0, 1, 2, 3]
+    assert max(abs(got[s] - ref[s]) for s in ref) < 1e-5, (ref, got)
+
+    resumed = tmp_path / "resumed" / "run"
+    (resumed / "checkpoints").mkdir(parents=True)
+    (resumed / "checkpoints" / "last.ckpt").write_bytes((two / "checkpoints" / "step0000002.ckpt").read_bytes())
+    out = run_cli(resumed, "model=tiny", "trainer=fsdp", "debug=rehearsal", *exact, "ckpt_path=last")
+    assert out.returncode == 0, out.stderr[-4000:]
+    after = metric(resumed, "train/loss")
+    assert sorted(after) == [2, 3]
+    assert max(abs(after[s] - got[s]) for s in after) < 1e-5, (got, after)
+
+
+WORKER = textwrap.dedent('''
+    import os, sys
+    from functools import partial
+    import lightning as L, torch
+    import torch.nn.functional as F
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    sys.path.insert(0, sys.argv[2])
+    from test_gradient_flow import RandomTokens, ZeroWeightGrad, tiny
+    from bnlit.module import LMModule
+    from bnlit.callbacks.gradient_flow import GradientFlowArbiter, GradientFlowError
+
+    class ZeroGradLinear(torch.nn.Linear):
+        """A "fused kernel" whose weight gradient is always zero (planted in block 1's w3)."""
+        def forward(self, x):
+            return ZeroWeightGrad.apply(x, self.weight)
+
+    torch.set_num_threads(1)
+    model = tiny()
+    ff = model.layers[1].feed_forward
+    planted = ZeroGradLinear(ff.w3.in_features, ff.w3.out_features, bias=False)
+    planted.weight.data.copy_(ff.w3.weight.data)
+    ff.w3 = planted
+    module = LMModule(model, optimizer=partial(torch.optim.AdamW, lr=1e-3))
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ModelParallelStrategy(save_distributed_checkpoint=False),
+                        max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=sys.argv[1], use_distributed_sampler=True,
+                        callbacks=[GradientFlowArbiter(every_n_steps=1)])
+    out = os.path.join(sys.argv[1], f"rank{trainer.global_rank}.txt")
+    try:
+        trainer.fit(module, datamodule=RandomTokens())
+        open(out, "w").write(f"finished at step {trainer.global_step}")
+    except GradientFlowError as e:
+        open(out, "w").write(str(e))
+        sys.exit(3)
+''')
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_fsdp_planted_zero_gradient_is_caught_by_name(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    tests = Path(__file__).parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                           f"--master-port={port}", str(script), str(tmp_path), str(tests)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    msgs = [(tmp_path / f"rank{r}.txt").read_text() if (tmp_path / f"rank{r}.txt").exists() else None for r in (0, 1)]
+    assert msgs[0] is not None and msgs[1] is not None, proc.stderr[-3000:]
+    assert msgs[0] == msgs[1], msgs
+    assert "gradient-flow check failed at step 1" in msgs[0]
+    assert "model.layers.1.feed_forward.w3.weight" in msgs[0] and "zero" in msgs[0], msgs[0]
+    assert proc.returncode != 0
