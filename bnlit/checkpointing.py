@@ -18,16 +18,19 @@ import logging
 import os
 import signal
 import subprocess
+import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from bnlit.errors import ConfigError
 
 log = logging.getLogger("bnlit")
 
+ABORT_AFTER = 3  # this many Ctrl-C stop a run that cannot reach the end of its step (a hang)
 TMP_MARK = ".tmp"  # AtomicCheckpointIO writes ``.<name>.tmp<pid>`` next to ``<name>``
 LAST = "last.ckpt"
 
@@ -166,6 +169,7 @@ class SignalLatch:
     def __init__(self, signals: Iterable[str | int]):
         self.signums = [signal_number(s) for s in signals]
         self.received: int | None = None
+        self.ctrl_c = 0
         self._installed: dict[int, Any] = {}
         self.outer: dict[int, Any] = {}
 
@@ -174,7 +178,7 @@ class SignalLatch:
         self.outer = {s: signal.getsignal(s) for s in self.signums}
 
     def install(self) -> None:
-        if not _main_thread():
+        if threading.current_thread() is not threading.main_thread():
             return
         for s in self.signums:
             self._installed[s] = signal.signal(s, self._handle)
@@ -185,13 +189,18 @@ class SignalLatch:
         self._installed = {}
 
     def _handle(self, signum: int, frame: Any) -> None:
-        first = self.received is None
-        if first:
-            self.received = signum
+        self.ctrl_c += signum == signal.SIGINT
         name = signal.Signals(signum).name
-        msg = (f"\n{name} received: finishing this optimizer step, then saving a checkpoint and stopping"
-               if first else f"\n{name} received again: still saving; the checkpoint write is atomic")
-        os.write(2, (msg + "\n").encode())  # print() is not safe inside a signal handler
+        if self.received is None:
+            self.received = signum
+            msg = f"{name} received: finishing this optimizer step, then saving a checkpoint and stopping"
+        elif self.ctrl_c >= ABORT_AFTER:
+            os.write(2, f"\n{name} received {self.ctrl_c} times: stopping without saving\n".encode())
+            raise KeyboardInterrupt  # a write in progress leaves only its temporary file
+        else:
+            msg = (f"{name} received again: still saving; the checkpoint write is atomic "
+                   f"(Ctrl-C {ABORT_AFTER} times stops without saving)")
+        os.write(2, f"\n{msg}\n".encode())  # print() is not safe inside a signal handler
 
     def chain(self) -> bool:
         """Call the outer handler of the received signal, if it is a Python function (submitit's
@@ -215,17 +224,9 @@ def worker_ignores_interrupts(worker_id: int) -> None:
         pl_worker_init_function(worker_id)
 
 
-def _main_thread() -> bool:
-    import threading
-
-    return threading.current_thread() is threading.main_thread()
-
-
 def agree(flag: int, strategy: Any) -> int:
     """The largest ``flag`` over all ranks (one small all-reduce under torch.distributed), so every
     rank stops after the same optimizer step."""
-    import torch.distributed as dist
-
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return flag
     t = torch.tensor([flag], device=strategy.root_device, dtype=torch.int32)

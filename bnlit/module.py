@@ -63,7 +63,8 @@ class LMModule(L.LightningModule):
     model: the transformer (``forward(idx) -> logits``).
     optimizer: partial optimizer taking param groups (its ``weight_decay`` applies to matrices).
     scheduler: partial scheduler taking the optimizer, or None for a constant LR.
-    compile: ``torch.compile`` the model's forward (parameter names are kept).
+    compile: ``torch.compile`` the model's forward (parameter names are kept); under FSDP2 each
+        block is compiled before it is sharded (:func:`shard`).
     fullgraph: require a single graph when compiling.
     sdpa_backend: restrict CUDA attention kernels (``flash`` for the H100 path); ignored on CPU.
     """

@@ -30,6 +30,15 @@ PLOTS = {
     # bigram minus trained bits/char per language: above zero once the model beats the bigram
     "learned_context": lambda k: k.startswith("learned_context/"),
 }
+# plot name -> (title, y-axis label with its unit); the x axis of every curve is the CSV's step:
+# optimizer steps completed before the value was measured (Lightning's logging step)
+PLOT_AXES = {
+    "loss": ("loss", "cross-entropy (nats/token)"),
+    "mfu": ("model FLOPs utilisation", "MFU (% of peak FLOP/s)"),
+    "fertility": ("tokenizer fertility on the held-out slice (higher is better)", "characters per token"),
+    "twin_gap": ("trained model vs its random twin", "NLL gap (nats/token)"),
+}
+STEP_LABEL = "optimizer step"
 
 
 def redact(obj: Any) -> Any:
@@ -66,17 +75,31 @@ def read_metrics(csv_path: Path) -> dict[str, list[tuple[int, float]]]:
     return {k: sorted(d.items()) for k, d in series.items()}
 
 
-def plot(series: dict[str, list[tuple[int, float]]], keys: list[str], title: str, path: Path) -> Path:
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def plot(series: dict[str, list[tuple[int, float]]], keys: list[str], title: str, path: Path,
+         ylabel: str = "value") -> Path:
+    """Curves of ``keys`` against the optimizer step, with the axes labelled."""
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     for k in keys:
         pts = [(s, v) for s, v in series[k] if math.isfinite(v)]
         ax.plot([s for s, _ in pts], [v for _, v in pts], marker="." if len(pts) < 50 else None, label=k)
-    ax.set_xlabel("step")
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
+    steps = {s for k in keys for s, _ in series[k]}
+    if len(steps) == 1:  # a single step: centre it instead of an axis of -0.04..0.04
+        ax.set_xlim(min(steps) - 1, min(steps) + 1)
+    ax.set_xlabel(STEP_LABEL)
+    ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -86,8 +109,63 @@ def plot(series: dict[str, list[tuple[int, float]]], keys: list[str], title: str
     return path
 
 
-def _fmt(v: Any) -> str:
-    return f"{v:.4g}" if isinstance(v, float) else str(v)
+def fertility_floors(run_dir: Path) -> dict[str, float]:
+    """``callbacks.fertility.floors`` of the run's composed config (empty when it has none)."""
+    try:
+        import yaml
+
+        cfg = yaml.safe_load((run_dir / ".hydra" / "config.yaml").read_text()) or {}
+        return {str(k): float(v) for k, v in (((cfg.get("callbacks") or {}).get("fertility") or {}).get("floors") or {}).items()}
+    except (OSError, ValueError, AttributeError, TypeError):
+        return {}
+
+
+def plot_fertility(values: dict[str, float], floors: dict[str, float], path: Path) -> Path:
+    """One bar per language (characters per token, measured once at fit start), each language's
+    floor drawn across its bar, the value printed on it."""
+    plt = _pyplot()
+    title, ylabel = PLOT_AXES["fertility"]
+    langs = sorted(values)
+    fig, ax = plt.subplots(figsize=(max(4, 1.4 * len(langs) + 2), 4))
+    bars = ax.bar(langs, [values[lang] for lang in langs], color="tab:blue", width=0.6)
+    ax.bar_label(bars, labels=[f"{values[lang]:.2f}" for lang in langs], padding=2)
+    for i, lang in enumerate(langs):
+        if lang in floors:
+            ax.hlines(floors[lang], i - 0.4, i + 0.4, colors="tab:red", linestyles="--",
+                      label="floor (callbacks.fertility.floors)" if i == langs.index(next(l for l in langs if l in floors)) else None)
+            ax.annotate(f"floor {floors[lang]:g}", (i + 0.42, floors[lang]), va="center", fontsize=8, color="tab:red")
+    top = max([*values.values(), *floors.values()])
+    ax.set_ylim(0, top * 1.2)
+    ax.set_xlim(-0.6, len(langs) - 0.4 + 0.5)
+    ax.set_xlabel("language")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3, axis="y")
+    if floors:
+        ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def format_value(key: str, v: Any) -> str:
+    """One format for a metric everywhere (summary.md and the console line): 4 decimals
+    (``9.0170``), thousands grouped from 1000 (``12,345``), scientific below 0.001
+    (``3.000e-05``), 2 decimals for sizes in GiB (``1.27``)."""
+    if not isinstance(v, float) or not math.isfinite(v):
+        return str(v)
+    if key.endswith("_gib"):
+        return f"{v:.2f}"
+    if abs(v) >= 1000:
+        return f"{v:,.0f}"
+    if abs(v) >= 1e-3 or v == 0:
+        return f"{v:.4f}"
+    return f"{v:.3e}"
+
+
+def _fmt(v: Any, key: str = "") -> str:
+    return format_value(key, v)
 
 
 def proof_of_learning(tables: Path) -> list[str]:
@@ -127,18 +205,29 @@ def write_summary(run_dir: str | os.PathLike, metrics: Mapping[str, float] | Non
     if final:
         headline = {k: v for k, v in final.items() if k in ("perf/tokens_per_s", "val/loss")
                     or any(wanted(k) for wanted in PLOTS.values())}
-        lines += ["## Headline", "", "| metric | final value |", "|---|---|"]
-        lines += [f"| `{k}` | {_fmt(v)} |" for k, v in sorted(headline.items())]
-        lines += ["", "<details><summary>all final metrics</summary>", "", "| metric | value |", "|---|---|"]
-        lines += [f"| `{k}` | {_fmt(v)} |" for k, v in sorted(final.items())]
+        # the step each value was logged at: a metric logged every N steps (grad/*) shows its last
+        step = {k: v[-1][0] for k, v in series.items() if v}
+        row = lambda k, v: f"| `{k}` | {_fmt(v, k)} | {step.get(k, 'end')} |"  # noqa: E731
+        lines += ["## Headline", "", "| metric | final value | at step |", "|---|---|---|"]
+        lines += [row(k, v) for k, v in sorted(headline.items())]
+        lines += ["", "<details><summary>all final metrics</summary>", "",
+                  "| metric | value | at step |", "|---|---|---|"]
+        lines += [row(k, v) for k, v in sorted(final.items())]
         lines += ["", "</details>", ""]
     lines += proof_of_learning(run_dir / "tables")
     plots = []
     for name, wanted in PLOTS.items():
         keys = sorted(k for k in series if wanted(k))
-        if keys:
-            (run_dir / "plots").mkdir(exist_ok=True)
-            plots.append(plot(series, keys, name.replace("_", " "), run_dir / "plots" / f"{name}.png"))
+        if not keys:
+            continue
+        (run_dir / "plots").mkdir(exist_ok=True)
+        path = run_dir / "plots" / f"{name}.png"
+        if name == "fertility":  # one value per language: bars against the floors, not a curve
+            values = {k.removeprefix("tok/").removesuffix("_chars_per_token"): series[k][-1][1] for k in keys}
+            plots.append(plot_fertility(values, fertility_floors(run_dir), path))
+        else:
+            title, ylabel = PLOT_AXES[name]
+            plots.append(plot(series, keys, title, path, ylabel))
     if plots:
         lines += ["## Plots", ""] + [f"![{p.stem}](plots/{p.name})" for p in plots] + [""]
     elif not csv_path.is_file():
@@ -148,7 +237,7 @@ def write_summary(run_dir: str | os.PathLike, metrics: Mapping[str, float] | Non
         cols, rows = data.get("columns", []), data.get("rows", [])
         lines += [f"## Table `{table.stem}` (step {data.get('step', '?')})", "",
                   "| " + " | ".join(map(str, cols)) + " |", "|" + "---|" * len(cols)]
-        lines += ["| " + " | ".join(_fmt(v) for v in r) + " |" for r in rows]
+        lines += ["| " + " | ".join(_fmt(v, str(c)) for c, v in zip(cols, r)) + " |" for r in rows]
         lines.append("")
     out = run_dir / "summary.md"
     tmp = out.with_suffix(".md.tmp")

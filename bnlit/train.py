@@ -26,7 +26,7 @@ from bnlit.checkpoint import read_checkpoint
 from bnlit.checkpointing import Interrupted, newest_checkpoint, remove_partial_writes, requeued_slurm_job
 from bnlit.ckpt_io import AtomicCheckpointIO
 from bnlit.errors import BnlitError, CheckpointError, ConfigError
-from bnlit.summary import redact, write_summary
+from bnlit.summary import format_value, redact, write_summary
 from bnlit.threads import load_average, set_threads
 from bnlit.validate import instantiate_checked, validate_config
 
@@ -160,7 +160,7 @@ def needs_final_validation(trainer: L.Trainer) -> bool:
 
 def report(cfg: DictConfig, metrics: dict[str, float], loggers: list, timing: dict | None = None) -> None:
     out = Path(cfg.paths.output_dir)
-    fmt = lambda k: f"{metrics[k]:.4f}" if k in metrics else "n/a"  # noqa: E731
+    fmt = lambda k: format_value(k, metrics[k]) if k in metrics else "n/a"  # noqa: E731  (as summary.md)
     lines = [
         f"train/loss {fmt('train/loss')}  val/loss {fmt('val/loss')}",
         f"run dir     {out}",

@@ -74,8 +74,9 @@ def _is_sharded(trainer: L.Trainer) -> bool:
 
 class GradientFlowArbiter(Callback):
     """Args:
-    every_n_steps: the full check at optimizer step 1 and then every this many steps (and at
-        once whenever the every-step sentinel trips).
+    every_n_steps: the full check at optimizer step 1, then every this many steps, at the run's
+        last step (so the final ``grad/*`` values are the final step's), and at once whenever the
+        every-step sentinel trips.
     on_fail: ``"raise"`` a :class:`GradientFlowError` (after writing the report) or ``"warn"``.
     check_updates: snapshot the parameters on check steps and verify the optimizer changed each.
     fast_path_parity: compare the configured fast path (precision plugin's autocast, compiled
@@ -257,7 +258,10 @@ class GradientFlowArbiter(Callback):
                 tripped = self._sentinel.tripped(reduce, extra=frozen)
             self.sentinel_seconds += time.perf_counter() - t0  # host time (CUDA: launches, not kernels)
             self.sentinel_steps += 1
-        due = self.checks == 0 or self._deferred > 0 or step % self.every_n_steps == 0
+        # the first step of every fit (a resumed one too), a deferred check, the cadence, and the
+        # run's last step (so the grad/* values a summary calls final are the final step's)
+        last = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
+        due = self.checks == 0 or self._deferred > 0 or step % self.every_n_steps == 0 or step == last
         if tripped and not due:
             self.sentinel_trips += 1
         if due or tripped:

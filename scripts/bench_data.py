@@ -52,13 +52,13 @@ def mb(corpus) -> float:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--procs", type=int, nargs="+", default=[1, 2])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--procs", type=int, nargs="+", default=[1, 2], help="worker-process counts to time, one build each")
     p.add_argument("--text", nargs="*", help="local files to benchmark on instead of the embedded corpus")
-    p.add_argument("--lang", nargs="*", help="language of each --text file (default bn)")
+    p.add_argument("--lang", nargs="*", help="language of each --text file (all bn when not given)")
     p.add_argument("--repeat", type=int, default=3, help="copies of the corpus in the shard benchmark")
-    p.add_argument("--vocab-size", type=int, default=8192)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--vocab-size", type=int, default=8192, help="size of the tokenizer trained (untimed) for the shard build")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = p.parse_args(argv)
     corpus = load_corpus(args)
     size = mb(corpus)

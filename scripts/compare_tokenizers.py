@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import train_tokenizer  # noqa: E402  (the sibling CLI)
 
-from bnlit import fertility  # noqa: E402
+from bnlit import fertility, progress  # noqa: E402
 from bnlit.data import embedded  # noqa: E402
 from bnlit.tokenizer import Tokenizer  # noqa: E402
 
@@ -75,13 +75,17 @@ def row(name: str, vocab: int | str, s: dict, seconds: float | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True)
-    p.add_argument("--vocab-size", type=int, nargs="+", default=[8192, 32000])
-    p.add_argument("--num-threads", type=int, default=2)
-    p.add_argument("--eval", action="append", default=[], metavar="LANG=FILE")
+    p.add_argument("--out", required=True, help="directory for the training lines and one tokenizer per variant")
+    p.add_argument("--vocab-size", type=int, nargs="+", default=[8192, 32000],
+                   help="vocabulary sizes, each variant trained at each (default: %(default)s)")
+    p.add_argument("--num-threads", type=int, default=2, help="SentencePiece training and encoding threads (default: %(default)s)")
+    p.add_argument("--eval", action="append", default=[], metavar="LANG=FILE",
+                   help="extra held-out text of one language to score every variant on, one sentence a line (repeatable)")
     p.add_argument("--only", nargs="+", default=None, help=f"variant names ({', '.join(VARIANTS)})")
-    p.add_argument("--heldout-fraction", type=float, default=0.05)
+    p.add_argument("--heldout-fraction", type=float, default=0.05,
+                   help="content-hash share of the corpus held out for scoring (default: %(default)s)")
     args = p.parse_args(argv)
+    progress.ENABLED = False  # the bars would interleave with the table on stdout
     unknown = sorted(set(args.only or ()) - set(VARIANTS))
     if unknown:
         p.error(f"--only {unknown}: the variants are {list(VARIANTS)}")

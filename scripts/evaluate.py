@@ -197,10 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--twin", action=argparse.BooleanOptionalAction, default=True,
                    help="also score a randomly initialised twin (default: on)")
-    p.add_argument("--twin-seed", type=int, default=1234)
+    p.add_argument("--twin-seed", type=int, default=1234, help="init seed of the random twin (default 1234)")
     p.add_argument("--multiple-choice", type=Path, help='multiple-choice JSONL: {"context", "choices", "label"} per line')
     p.add_argument("--seq-len", type=int, help="window length (default: the training seq_len)")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=8, help="windows scored per forward pass (default 8)")
     p.add_argument("--run-dir", type=Path, help="the training run (default: the checkpoint's run directory)")
     p.add_argument("--contamination", action=argparse.BooleanOptionalAction, default=True,
                    help="measure each text's overlap with the run's training data (default: on)")

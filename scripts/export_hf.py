@@ -25,10 +25,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--checkpoint", required=True, type=Path)
-    p.add_argument("--out", required=True, type=Path)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--checkpoint", required=True, type=Path, help="a bnlit training checkpoint (last.ckpt or step*.ckpt)")
+    p.add_argument("--out", required=True, type=Path, help="directory to write the Hugging Face model into")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="dtype of the saved weights")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out directory")
     args = p.parse_args(argv)
     try:

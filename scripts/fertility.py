@@ -78,12 +78,12 @@ def plot(result: dict[str, dict], path: str, title: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tokenizer", required=True, metavar="PATH|bytes")
-    p.add_argument("--lang", action="append", required=True, metavar="LANG=FILE")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--tokenizer", required=True, metavar="PATH|bytes", help="a SentencePiece tokenizer.model, or bytes for the raw UTF-8 baseline")
+    p.add_argument("--lang", action="append", required=True, metavar="LANG=FILE", help="text of one language, one sentence a line (repeatable; line-aligned files give the token premium)")
     p.add_argument("--json", action="store_true", help="print one JSON object keyed by language")
-    p.add_argument("--plot", metavar="FILE.png")
-    p.add_argument("--num-threads", type=int, default=1)
+    p.add_argument("--plot", metavar="FILE.png", help="also write a bar chart of characters per token per language")
+    p.add_argument("--num-threads", type=int, default=1, help="SentencePiece encoding threads")
     p.add_argument("--timing", action="store_true", help="add encode_seconds and encode_mb_per_s")
     args = p.parse_args(argv)
     try:

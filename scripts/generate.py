@@ -21,15 +21,15 @@ from bnlit.generation import generate
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--checkpoint", required=True, type=Path)
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--max-new-tokens", type=int, default=100)
-    p.add_argument("--temperature", type=float, default=0.8)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--checkpoint", required=True, type=Path, help="a bnlit training checkpoint (last.ckpt or step*.ckpt)")
+    p.add_argument("--prompt", required=True, help="text to continue (NFC-normalised like training text)")
+    p.add_argument("--max-new-tokens", type=int, default=100, help="stop after this many sampled tokens (or at end-of-document)")
+    p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 is greedy")
     p.add_argument("--top-k", type=int, default=50, help="0: no top-k filtering")
     p.add_argument("--top-p", type=float, default=0.95, help="1: no nucleus filtering")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("-n", "--num-samples", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (same seed, same text)")
+    p.add_argument("-n", "--num-samples", type=int, default=1, help="continuations to sample")
     p.add_argument("--device", help="default: cuda when available")
     return p
 

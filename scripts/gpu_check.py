@@ -86,11 +86,11 @@ def read_bench(stdout: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="400m")
+    ap.add_argument("--model", default="400m", help="model preset of every check (conf/model/<name>.yaml)")
     ap.add_argument("--steps", type=int, default=30, help="optimizer steps of the train_h100 check")
     ap.add_argument("--accumulate", type=int, default=2, help="micro-batches per step in train_h100 (profile: 16)")
-    ap.add_argument("--bench-steps", type=int, default=20)
-    ap.add_argument("--fsdp-steps", type=int, default=5)
+    ap.add_argument("--bench-steps", type=int, default=20, help="timed optimizer steps of the bench_cuda check")
+    ap.add_argument("--fsdp-steps", type=int, default=5, help="optimizer steps of the fsdp_2gpu check")
     ap.add_argument("--timeout", type=int, default=300, help="seconds per check")
     ap.add_argument("--out", type=Path, default=None, help="run dirs here (default: a temporary dir)")
     ap.add_argument("--dry-run", action="store_true", help="print the checks' commands and exit")

@@ -87,10 +87,11 @@ def check(preset: str, precision: str, seq_len: int, batch_size: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--presets", nargs="+", default=["tiny", "25m"])
-    p.add_argument("--precisions", nargs="+", default=["32-true", "bf16-mixed"], choices=["32-true", "bf16-mixed"])
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--presets", nargs="+", default=["tiny", "25m"], help="model presets to estimate and measure")
+    p.add_argument("--precisions", nargs="+", default=["32-true", "bf16-mixed"], choices=["32-true", "bf16-mixed"],
+                   help="trainer precisions to check, each with each preset")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per window (data.seq_len)")
+    p.add_argument("--batch-size", type=int, default=4, help="windows per step (data.batch_size)")
     args = p.parse_args(argv)
     torch.set_num_threads(max(1, min(4, torch.get_num_threads())))
     for preset in args.presets:

@@ -160,24 +160,30 @@ def build(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--input", nargs="+", required=True, metavar="[LANG=]FILE")
-    p.add_argument("--vocab-size", type=int, required=True)
-    p.add_argument("--out", required=True, metavar="DIR")
+    p.add_argument("--input", nargs="+", required=True, metavar="[LANG=]FILE",
+                   help="training text, one sentence a line; LANG= names its language, else it is detected from the script")
+    p.add_argument("--vocab-size", type=int, required=True,
+                   help="pieces in the vocabulary (the model's model.config.vocab_size), e.g. 8192")
+    p.add_argument("--out", required=True, metavar="DIR", help="directory for tokenizer.model and tokenizer_card.json")
     recipe = default_recipe()
-    p.add_argument("--model-type", choices=("bpe", "unigram"), default=recipe["model_type"])
+    p.add_argument("--model-type", choices=("bpe", "unigram"), default=recipe["model_type"],
+                   help="SentencePiece algorithm (default: %(default)s, conf/tokenizer/default.yaml)")
     p.add_argument("--lang-weights", default=None, metavar="bn=0.8,en=0.2",
                    help="default: conf/tokenizer/default.yaml's lang_weights for the languages given; "
                         "'none' keeps the text's own mix")
     p.add_argument("--word-frequencies", default=None, metavar="bn=1.0",
                    help="add wordfreq word text to a language's training lines, as a multiple of its characters "
                         "(default: conf/tokenizer/default.yaml's word_frequencies; 'none' for none)")
-    p.add_argument("--character-coverage", type=float, default=recipe["character_coverage"])
-    p.add_argument("--normalization", choices=sorted(NORMALIZATION_RULES), default=recipe["normalization"])
+    p.add_argument("--character-coverage", type=float, default=recipe["character_coverage"],
+                   help="share of characters the vocabulary must cover; rarer ones fall back to bytes (default: %(default)s)")
+    p.add_argument("--normalization", choices=sorted(NORMALIZATION_RULES), default=recipe["normalization"],
+                   help="nfc (bnlit's) or nfkc (also folds compatibility forms) (default: %(default)s)")
     p.add_argument("--split-digits", action=argparse.BooleanOptionalAction, default=recipe["split_digits"],
                    help="every ASCII and Bangla digit its own token")
-    p.add_argument("--heldout-fraction", type=float, default=0.05)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--heldout-fraction", type=float, default=0.05,
+                   help="content-hash share of lines held out for the card's fertility (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the --lang-weights resampling (default: %(default)s)")
+    p.add_argument("--num-threads", type=int, default=None, help="SentencePiece training threads (default: all cores)")
     args = p.parse_args(argv)
     try:
         card = build(args)

@@ -474,6 +474,9 @@ def test_default_run_logs_the_verdict_and_writes_the_report(make_cfg, caplog):
 
     rows = list(csv.DictReader(open(Path(cfg.paths.output_dir) / "csv" / "metrics.csv")))
     assert any(r.get("grad/norm") for r in rows) and any(r.get("grad/model.norm.weight") for r in rows)
+    # the last step is checked too (the final grad/* values are the final step's); logged at the
+    # steps completed before that gradient, as train/loss is: the 4th step's at 3
+    assert max(int(r["step"]) for r in rows if r.get("grad/model.norm.weight")) == cfg.trainer.max_steps - 1
 
 
 class DetachedW3Transformer(Transformer):

@@ -154,6 +154,17 @@ def test_partial_writes_are_removed_and_only_they(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
 
 
+def test_requeue_names_the_array_task(monkeypatch):
+    from bnlit.checkpointing import requeue_slurm_job
+
+    calls = []
+    monkeypatch.setenv("SLURM_JOB_ID", "12")
+    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "10")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "2")
+    assert requeue_slurm_job(lambda cmd: calls.append(cmd) or 0)
+    assert calls == [["scontrol", "requeue", "10_2"]]
+
+
 def test_newest_k_keeps_the_highest_steps():
     assert newest_k({"a": 3, "b": 9, "c": 6}, 2) == ({"b", "c"}, {"a"})
     assert newest_k({"a": 3}, -1) == ({"a"}, set())
@@ -167,17 +178,20 @@ def test_torn_csv_rows_are_dropped(tmp_path):
     assert [r["step"] for r in rows] == ["0", "1"]
 
 
-def test_a_second_signal_is_latched_not_raised():
-    latch = SignalLatch(["SIGUSR1"])
-    latch.remember_outer()
+def test_a_second_signal_is_latched_not_raised_and_a_third_ctrl_c_aborts():
+    latch = SignalLatch(["SIGUSR1", "SIGINT"])
+    before = signal.getsignal(signal.SIGINT)
     latch.install()
     try:
         os.kill(os.getpid(), signal.SIGUSR1)
-        os.kill(os.getpid(), signal.SIGUSR1)
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)
         assert latch.received == signal.SIGUSR1
+        with pytest.raises(KeyboardInterrupt):  # a hung step can still be stopped
+            os.kill(os.getpid(), signal.SIGINT)
     finally:
         latch.restore()
-    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL and signal.getsignal(signal.SIGINT) is before
     e = Interrupted(signal.SIGTERM, 37, Path("/r/checkpoints/step0000037.ckpt"))
     assert e.exit_code == 143
     assert e.message(Path("/r")) == ("interrupted at step 37: saved checkpoints/step0000037.ckpt; resume with "

@@ -74,10 +74,20 @@ def test_pinned_threads():
     assert choose_threads(3, 2, 50.0) == (3, "set by threads")
 
 
-def test_data_stages_show_progress_and_a_summary(tmp_path, capsys, caplog):
+def test_data_stages_show_progress_and_a_summary(tmp_path, capsys, caplog, monkeypatch):
     """Tokenizer training on a small corpus: a bar on stdout that reaches its merges total, and
-    SentencePiece's own log lines do not leak to stderr."""
+    SentencePiece's own log lines do not leak to stderr. The bar redraws on every update here
+    (as on a slow, loaded machine), which once fed SentencePiece tqdm's return value."""
     from bnlit.tokenizer import train_tokenizer
+
+    real_bar = progress.bar
+
+    def eager_bar(*args, **kwargs):
+        b = real_bar(*args, **kwargs)
+        b.mininterval, b.miniters = 0, 1
+        return b
+
+    monkeypatch.setattr(progress, "bar", eager_bar)
 
     import random
 

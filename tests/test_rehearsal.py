@@ -115,7 +115,8 @@ def test_multinode_rehearsal(tmp_path, cache_dir):
 def test_fsdp_rehearsal_parity_and_resume(tmp_path, cache_dir):
     """The full FSDP2 rehearsal (bf16, per-block compile, fused AdamW), then in fp32 eager for exact
     comparisons: 2 sharded processes match 1 unsharded process with the same global batch, and the
-    sharded run resumes from its step-2 checkpoint with ``ckpt_path=last`` onto the same curve."""
+    sharded run's step-2 checkpoint resumes with ``ckpt_path=last`` onto the same curve, on 2
+    processes and on 1."""
     run = tmp_path / "fsdp" / "run"
     out = run_cli(run, "model=tiny", "trainer=fsdp", "debug=rehearsal")
     assert_rehearsal(out, run, "fast path: bf16-mixed autocast, torch.compile(fullgraph) x2 blocks, fused AdamW, "
@@ -140,6 +141,18 @@ def test_fsdp_rehearsal_parity_and_resume(tmp_path, cache_dir):
     out = run_cli(resumed, "model=tiny", "trainer=fsdp", "debug=rehearsal", *exact, "ckpt_path=last")
     assert out.returncode == 0, out.stderr[-4000:]
     after = metric(resumed, "train/loss")
+    assert sorted(after) == [2, 3]
+    assert max(abs(after[s] - got[s]) for s in after) < 1e-5, (got, after)
+
+    # the full-state file resumes on another world size: FSDP2 on 1 process, the same global batch
+    single = tmp_path / "single" / "run"
+    (single / "checkpoints").mkdir(parents=True)
+    (single / "checkpoints" / "last.ckpt").write_bytes((two / "checkpoints" / "step0000002.ckpt").read_bytes())
+    out = run_cli(single, "model=tiny", "trainer=fsdp", "debug=rehearsal", *exact, "ckpt_path=last",
+                  "trainer.devices=1", "data.batch_size=4")
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "strategy=fsdp2(1, gloo)" in (single / "train.log").read_text()
+    after = metric(single, "train/loss")
     assert sorted(after) == [2, 3]
     assert max(abs(after[s] - got[s]) for s in after) < 1e-5, (got, after)
 

@@ -69,5 +69,5 @@ def test_sweep_shorter_than_one_validation_interval_runs_every_job(tmp_path, cac
         series = read_metrics(job / "csv" / "metrics.csv")
         assert series["val/loss"][-1][0] == 3  # the trained model's, logged at the last step
         summary = (job / "summary.md").read_text()
-        assert f"| `val/loss` | {val_loss} |" in summary and f"| `train/loss` | {train_loss} |" in summary
+        assert f"| `val/loss` | {val_loss} | 3 |" in summary and f"| `train/loss` | {train_loss} | " in summary
     assert "validation runs once, at the end of training (step 3)" in out.stdout + out.stderr
