@@ -37,6 +37,8 @@ PLOT_AXES = {
     "mfu": ("model FLOPs utilisation", "MFU (% of peak FLOP/s)"),
     "fertility": ("tokenizer fertility on the held-out slice (higher is better)", "characters per token"),
     "twin_gap": ("trained model vs its random twin", "NLL gap (nats/token)"),
+    "learned_context": ("trained model vs the bigram (above 0: it beats the bigram)",
+                        "bigram minus trained (bits/char)"),
 }
 STEP_LABEL = "optimizer step"
 
