@@ -38,10 +38,10 @@ BASELINE_DIR = "baselines"
 
 
 def discount(counts: np.ndarray) -> float:
-    """Ney et al.'s absolute discount ``n1 / (n1 + 2 n2)`` from the counts of counts (0.5 when
-    there is neither a singleton nor a doubleton)."""
+    """Ney et al.'s absolute discount ``n1 / (n1 + 2 n2)`` from the counts of counts; 0.5 when
+    there is no singleton (the estimate would be 0 and leave nothing for unseen events)."""
     n1, n2 = int(np.sum(counts == 1)), int(np.sum(counts == 2))
-    return n1 / (n1 + 2 * n2) if n1 + n2 else 0.5
+    return n1 / (n1 + 2 * n2) if n1 else 0.5
 
 
 @dataclass

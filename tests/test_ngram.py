@@ -129,3 +129,13 @@ def test_chunked_shard_counts_equal_whole_stream_counts(tmp_path):
             np.testing.assert_array_equal(getattr(chunked[lang], k), getattr(whole[lang], k))
     capped = count_shards(tmp_path, index, eos_id=0, vocab_size=6, chunk_tokens=4, max_tokens=10)
     assert capped["bn"].tokens == 10 and capped["en"].tokens == 10
+
+
+def test_no_singletons_still_leaves_mass_for_unseen_tokens():
+    # every token has two distinct predecessors: N1+(. w) has no singleton, the estimate would be 0
+    stream = np.array([0, 1, 2, 1, 0, 2, 0, 1, 0, 2, 1, 2])
+    c = NgramCounts.from_stream(stream, 5)
+    n_prev = np.bincount(c.bigram_keys % 5, minlength=5)
+    assert not np.any(n_prev == 1)
+    assert discount(n_prev[n_prev > 0]) == 0.5
+    assert np.isfinite(c.bigram_logprob(np.array([1, 4]), np.array([4, 4]))).all()
