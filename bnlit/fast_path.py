@@ -1,7 +1,8 @@
 """The one line that says which fast path a run is really on, e.g.
 
 ``fast path: bf16-mixed autocast, torch.compile(fullgraph) x2 blocks, fused AdamW, sdpa=flash,
-strategy=fsdp2(2, nccl), accumulate=16, workers=4 (prefetch 4, pinned)``
+attention=sdpa:flash (causal), loss=chunked, strategy=fsdp2(2, nccl), accumulate=16, workers=4
+(prefetch 4, pinned)``
 
 Every part is read from the live objects after the strategy has set up the model (precision
 plugin, compiled submodules, the optimizer's own defaults, torch's SDPA switches, the process
@@ -67,6 +68,15 @@ def sdpa_part(device: torch.device, requested: str = "auto") -> str:
     return f"sdpa={device.type}"
 
 
+def attention_part(module) -> str | None:
+    """The kernel the module found its training steps dispatch (``LMModule.attention_kernel``,
+    PyTorch's own SDPA choice for the step's shapes, dtype and mask) and the mask it runs with."""
+    kernel = getattr(module, "attention_kernel", None)
+    if kernel is None:
+        return None
+    return f"attention={kernel} ({'document mask' if getattr(module, 'document_masking', False) else 'causal'})"
+
+
 def strategy_part(strategy) -> str:
     from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
 
@@ -100,6 +110,8 @@ def describe_fast_path(trainer, module) -> str:
         compile_part(model, getattr(module, "fullgraph", False)),
         *(optimizer_part(o) for o in trainer.optimizers),
         sdpa_part(module.device, getattr(module, "sdpa_backend", "auto")),
+        *filter(None, [attention_part(module)]),
+        f"loss={getattr(module, 'loss_impl', 'plain')}",
         strategy_part(trainer.strategy),
         f"accumulate={trainer.accumulate_grad_batches}",
         loader_part(trainer.train_dataloader),

@@ -393,8 +393,11 @@ class GradientSentinel:
             self.first_step.fill_(-1)
         self.missing.clear()
 
-    def observe(self, named_parameters: NamedParameters, step: int) -> torch.Tensor | None:
-        """Record this step's faults; returns the total gradient norm (a device tensor) or None."""
+    def observe(self, named_parameters: NamedParameters, step: int,
+                skipped: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Record this step's faults; returns the total gradient norm (a device tensor) or None.
+        ``skipped``: a device flag, nonzero when the optimizer will not apply this step (the NaN
+        guard's verdict in fused AdamW's ``found_inf``); such a step records nothing."""
         params, _, _ = unique_trainable(named_parameters)
         names = [n for n, _ in params]
         grads, idx = [], []
@@ -430,6 +433,8 @@ class GradientSentinel:
                 median = torch.nanmedian(ratio)
                 vanishing = peers & (ratio < median / self.vanishing_factor) & (peers.sum() >= 3)
                 code = torch.where(vanishing & (code == 0), 3, code)
+        if skipped is not None:
+            code = torch.where(skipped.to(device) > 0, 0, code)
         new = (code > 0) & (self.first_step < 0)
         self.first_step = torch.where(new, step, self.first_step)
         self.first_code = torch.where(new, code, self.first_code)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import torch
+
 from bnlit.errors import BnlitError
 
 POLICIES = ("halt", "skip")
@@ -55,6 +57,26 @@ def verdict(loss: float, grad_norm: float | None, tracker: SpikeTracker) -> str 
             and loss > tracker.factor * tracker.average):
         return f"loss spike ({loss:.4g} > {tracker.factor:g} x running average {tracker.average:.4g})"
     return None
+
+
+def bad_on_device(loss: torch.Tensor, grad_norm: torch.Tensor | None, average: torch.Tensor, seen: torch.Tensor,
+                  tracker: SpikeTracker) -> torch.Tensor:
+    """:func:`verdict` as a 0-dim bool tensor on the loss's device, without a host read:
+    ``average`` and ``seen`` are the tracker's state kept on the device (``average`` is NaN before
+    the first good step)."""
+    bad = ~torch.isfinite(loss)
+    if grad_norm is not None:
+        bad = bad | ~torch.isfinite(grad_norm)
+    if tracker.factor and tracker.factor > 0:
+        bad = bad | ((seen >= max(tracker.warmup, 1)) & (loss > tracker.factor * average))
+    return bad
+
+
+def update_on_device(loss: torch.Tensor, bad: torch.Tensor, average: torch.Tensor, seen: torch.Tensor,
+                     beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:meth:`SpikeTracker.update` on the device, applied only when the step is good."""
+    new = torch.where(seen == 0, loss, beta * average + (1 - beta) * loss)
+    return torch.where(bad, average, new), seen + (~bad).long()
 
 
 @dataclass

@@ -1,9 +1,11 @@
 """A Llama-style decoder in plain PyTorch.
 
 RMSNorm, rotary position embeddings, grouped-query attention through
-``scaled_dot_product_attention``, SwiGLU feed-forward, optional tied embeddings. Parameter names
-follow Meta's Llama (``wq wk wv wo``, ``w1 w2 w3``, ``attention_norm``, ``ffn_norm``) so export to
-Hugging Face's ``LlamaForCausalLM`` is a rename table. Nothing here knows of Lightning or Hydra.
+``scaled_dot_product_attention`` (or ``flex_attention`` for a document mask), SwiGLU feed-forward,
+optional tied embeddings, and the next-token loss inside ``forward`` so that ``torch.compile``
+sees it. Parameter names follow Meta's Llama (``wq wk wv wo``, ``w1 w2 w3``, ``attention_norm``,
+``ffn_norm``) so export to Hugging Face's ``LlamaForCausalLM`` is a rename table. Nothing here
+knows of Lightning or Hydra.
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
 from bnlit.errors import ConfigError
+from bnlit.loss import LossFn, plain_loss
 
 
 @dataclass
@@ -105,15 +109,18 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_head * cfg.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | BlockMask | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_head
-        )
+        gqa = self.n_kv_heads != self.n_head
+        if isinstance(mask, BlockMask):  # document mask on CUDA (fast only when compiled)
+            y = flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
+        else:  # mask None: causal; a (B, 1, T, T) boolean tensor: True where attention is allowed
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -136,8 +143,9 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | BlockMask | None = None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, mask)
         x = x + self.feed_forward(self.ffn_norm(x))
         return x
 
@@ -157,6 +165,8 @@ class Transformer(nn.Module):
         # not persistent: derived from the config, so checkpoints and exports never carry them
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        # the output head's loss (bnlit.loss); LMModule sets the configured module.loss_impl
+        self.loss_fn: LossFn = plain_loss
         self.reset_parameters()
 
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
@@ -175,8 +185,13 @@ class Transformer(nn.Module):
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """idx: (B, T) token ids -> logits (B, T, vocab_size)."""
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                mask: torch.Tensor | BlockMask | None = None) -> torch.Tensor:
+        """idx: (B, T) token ids -> logits (B, T, vocab_size), or with ``targets`` (B, T) the mean
+        next-token loss, computed by ``self.loss_fn`` without necessarily materialising the logits.
+        ``mask``: None for causal attention, or a document mask from
+        :func:`bnlit.document_masking.document_mask`. RoPE positions run 0..T-1 over the window
+        either way: a document's attention scores depend only on distances inside it."""
         T = idx.shape[1]
         if T > self.config.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds model max_seq_len={self.config.max_seq_len}")
@@ -184,10 +199,13 @@ class Transformer(nn.Module):
         x = self.tok_embeddings(idx)
         for layer in self.layers:
             if self.activation_checkpointing and self.training:
-                x = checkpoint(layer, x, cos, sin, use_reentrant=False)
+                x = checkpoint(layer, x, cos, sin, mask, use_reentrant=False)
             else:
-                x = layer(x, cos, sin)
-        return self.output(self.norm(x))
+                x = layer(x, cos, sin, mask)
+        x = self.norm(x)
+        if targets is None:
+            return self.output(x)
+        return self.loss_fn(x, self.output.weight, targets)
 
     def num_params(self, non_embedding: bool = False) -> int:
         """Unique parameters (a tied matrix counts once). ``non_embedding`` drops the token

@@ -1,6 +1,7 @@
-"""The LightningModule: next-token loss, AdamW param groups, LR schedule, metrics.
+"""The LightningModule: the model's own next-token loss, AdamW param groups, LR schedule, metrics.
 
-It wraps any ``nn.Module`` whose ``forward(idx)`` returns logits and knows nothing of data files;
+It wraps a model whose ``forward(idx, targets, mask)`` returns the mean next-token loss (and
+logits without ``targets``), ``bnlit.model.Transformer``, and knows nothing of data files;
 optimizer and scheduler arrive as ``functools.partial`` objects from Hydra (``_partial_: true``).
 """
 
@@ -12,20 +13,19 @@ from collections.abc import Callable
 import lightning as L
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 
+from bnlit import document_masking, sdpa
+from bnlit.errors import BnlitError
 from bnlit.fast_path import describe_fast_path
+from bnlit.loss import loss_fn, logits_loss
+from bnlit.tokenizer import EOS_ID
 
 log = logging.getLogger("bnlit")
 
-SDPA_BACKENDS = ("auto", "flash", "efficient", "math", "cudnn")
-
-
-def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy in fp32 (bf16 logits lose too much precision in the log-sum-exp)."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+# the same name as before for callers that score logits (the loss of an exported model's logits)
+next_token_loss = logits_loss
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -60,13 +60,15 @@ def shard(model: nn.Module, mesh, compile: bool = False, fullgraph: bool = False
 
 class LMModule(L.LightningModule):
     """Args:
-    model: the transformer (``forward(idx) -> logits``).
+    model: the transformer (``forward(idx, targets, mask) -> loss``; without targets, logits).
     optimizer: partial optimizer taking param groups (its ``weight_decay`` applies to matrices).
     scheduler: partial scheduler taking the optimizer, or None for a constant LR.
-    compile: ``torch.compile`` the model's forward (parameter names are kept); under FSDP2 each
-        block is compiled before it is sharded (:func:`shard`).
+    compile: ``torch.compile`` the model's forward, loss included (parameter names are kept); under
+        FSDP2 each block is compiled before it is sharded (:func:`shard`).
     fullgraph: require a single graph when compiling.
-    sdpa_backend: restrict CUDA attention kernels (``flash`` for the H100 path); ignored on CPU.
+    sdpa_backend: CUDA attention kernels (``bnlit.sdpa``): ``auto`` lets PyTorch pick; ignored on CPU.
+    loss_impl: the output head's loss (``bnlit.loss``): ``plain``, ``chunked`` or ``fused`` (Liger, CUDA).
+    document_masking: attend only within a document of a packed window (``bnlit.document_masking``).
     """
 
     def __init__(
@@ -77,23 +79,39 @@ class LMModule(L.LightningModule):
         compile: bool = False,
         fullgraph: bool = False,
         sdpa_backend: str = "auto",
+        loss_impl: str = "plain",
+        document_masking: bool = True,
     ):
         super().__init__()
-        if sdpa_backend not in SDPA_BACKENDS:
-            raise ValueError(f"module.sdpa_backend={sdpa_backend!r}: use one of {SDPA_BACKENDS}")
+        sdpa.validate(sdpa_backend)
+        # refused here, before the data module builds anything: a bad name, fused without CUDA or Liger
+        loss_fn(loss_impl, "cuda" if torch.cuda.is_available() else "cpu")
         self.model = model
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
         self.compile, self.fullgraph, self.sdpa_backend = compile, fullgraph, sdpa_backend
+        self.loss_impl, self.document_masking = loss_impl, document_masking
+        # the kernel training steps dispatch (set in configure_model): "sdpa:flash", "sdpa:cudnn", "flex_attention", ...
+        self.attention_kernel: str | None = None
         self._val_losses: list[tuple[torch.Tensor, int]] = []
+        self._step_loss: torch.Tensor | None = None  # sum of this optimizer step's micro-batch losses
         self._configured = False
         self.fast_path: str | None = None  # the run's "fast path: ..." line, set at train start
 
     def configure_model(self) -> None:
-        if self.sdpa_backend != "auto" and torch.cuda.is_available():
-            for name in ("flash", "efficient", "math", "cudnn"):
-                enable = name == self.sdpa_backend
-                getattr(torch.backends.cuda, f"enable_{'mem_efficient' if name == 'efficient' else name}_sdp")(enable)
+        device = self.trainer.strategy.root_device if self._trainer is not None else self.device
+        self.model.loss_fn = loss_fn(self.loss_impl, device)
+        if device.type == "cuda":
+            sdpa.enable(self.sdpa_backend)
+            cfg = self.model.config
+            precision = str(self.trainer.precision)
+            dtype = torch.bfloat16 if "bf16" in precision else torch.float16 if "16" in precision else torch.float32
+            sdpa.check_supported(self.sdpa_backend, cfg.n_head, cfg.n_kv_heads, cfg.head_dim, cfg.max_seq_len, dtype,
+                                 device)
+        if self._trainer is not None:
+            seq_len = getattr(self.trainer.datamodule, "seq_len", None) or self.model.config.max_seq_len
+            with self.trainer.precision_plugin.forward_context():
+                self.attention_kernel = self._attention_kernel(torch.zeros(1, seq_len, dtype=torch.long, device=device))
         if self._configured:  # configure_model runs again on a second fit/validate of this module
             return
         mesh = self.device_mesh  # set by ModelParallelStrategy (trainer=fsdp), None otherwise
@@ -112,28 +130,70 @@ class LMModule(L.LightningModule):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)
 
-    def loss_for_batch(self, batch) -> torch.Tensor:
-        """The training loss of one batch, nothing logged: ``training_step`` and the
-        gradient-flow arbiter's fast-path parity probe both call it, so the probe checks the loss
-        that trains (the probe hook documented in the README, "Gradient flow (the arbiter)")."""
+    def attention_mask(self, x: torch.Tensor):
+        """The document mask of the windows ``x``, or None (causal) with masking off."""
+        return document_masking.document_mask(x, EOS_ID) if self.document_masking else None
+
+    def loss_for_batch(self, batch, model: nn.Module | None = None) -> torch.Tensor:
+        """The training loss of one ``(x, y)`` batch, nothing logged: the model's own loss (in
+        the compiled graph when compiled) with this run's document mask and ``loss_impl``.
+        ``training_step`` and the gradient-flow arbiter's fast-path parity probe both call it, so
+        the probe checks the loss that trains (README, "Gradient flow (the arbiter)"). ``model``
+        (default ``self.model``) runs the same loss on another copy of the weights."""
         x, y = batch
-        return next_token_loss(self.model(x), y)
+        return (model or self.model)(x, y, mask=self.attention_mask(x))
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         loss = self.loss_for_batch(batch)
-        # averaged over ranks (one scalar all-reduce under DDP), so the curve is the global batch's loss
-        self.log("train/loss", loss, prog_bar=True, sync_dist=True)
-        # a float passed to self.log becomes a device tensor, a copy that waits for the CUDA
-        # stream: log the LR only on the steps the Trainer writes logs (global_step + 1 is
-        # Lightning's own test of ``log_every_n_steps`` during training_step)
+        # no host read and no all-reduce on the steps nobody logs: the micro-batch losses add up
+        # on the device and reach the loggers and the progress bar on logging steps only (global
+        # step + 1 is Lightning's own test of ``log_every_n_steps`` during training_step)
+        accumulate = self.trainer.accumulate_grad_batches
+        first = batch_idx % accumulate == 0 or self._step_loss is None
+        self._step_loss = loss.detach() if first else self._step_loss + loss.detach()
         every = self.trainer.log_every_n_steps
-        if self.trainer.lr_scheduler_configs and every and (self.global_step + 1) % every == 0:
-            self.log("train/lr", self.trainer.lr_scheduler_configs[0].scheduler.get_last_lr()[0])
+        if every and (self.global_step + 1) % every == 0:
+            micro = batch_idx % accumulate + 1
+            # averaged over ranks (one scalar all-reduce under DDP), so the curve is the global batch's loss
+            self.log("train/loss", self._step_loss / micro, prog_bar=True, sync_dist=True)
+            if self.trainer.lr_scheduler_configs:
+                self.log("train/lr", self.trainer.lr_scheduler_configs[0].scheduler.get_last_lr()[0])
         return loss
+
+    def _attention_kernel(self, x: torch.Tensor) -> str:
+        """The attention kernel a training step on windows like ``x`` dispatches (call it under
+        the precision plugin's autocast): PyTorch's own SDPA choice for the step's query/key
+        shapes, dtype and mask, or flex attention for the CUDA document mask."""
+        if self.document_masking and x.is_cuda:
+            return "flex_attention" + (" (compiled)" if self.compile else " (eager: compile the model to fuse it)")
+        cfg = self.model.config
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else \
+            self.model.output.weight.dtype
+        q = torch.empty(x.shape[0], cfg.n_head, x.shape[1], cfg.head_dim, dtype=dtype, device=x.device)
+        k = torch.empty(x.shape[0], cfg.n_kv_heads, x.shape[1], cfg.head_dim, dtype=dtype, device=x.device)
+        mask = self.attention_mask(x)
+        return "sdpa:" + sdpa.kernel_choice(q, k, k, mask)
+
+    def on_fit_start(self) -> None:
+        """The leakage probe (``bnlit.document_masking.leakage``), logged as
+        ``document_masking/leakage``: with masking on, a run whose logits change after a document
+        boundary when the text before it changes is refused before its first step."""
+        if not self.document_masking:
+            return
+        value = document_masking.leakage_probe(self.model.config, EOS_ID, self.device)
+        tolerance = 1e-4
+        if self.trainer.is_global_zero:
+            for lg in self.loggers:
+                lg.log_metrics({"document_masking/leakage": value}, step=self.global_step)
+            log.info("document masking: leakage probe %.2e (max logit change after a boundary; tolerance %.0e)",
+                     value, tolerance)
+        if value > tolerance:
+            raise BnlitError(f"document masking leaks: logits after a document boundary change by {value:.3g} when "
+                             "the text before it changes; report this, or run with module.document_masking=false")
 
     def validation_step(self, batch, batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
         x, y = batch
-        loss = next_token_loss(self.model(x), y)
+        loss = self.loss_for_batch(batch)
         names = getattr(self.trainer.datamodule, "val_languages", None) if self.trainer.datamodule else None
         name = names[dataloader_idx] if names else str(dataloader_idx)
         self.log(f"val/{name}_loss", loss, add_dataloader_idx=False, batch_size=x.shape[0])

@@ -241,10 +241,14 @@ class GradientFlowArbiter(Callback):
             self._batches.clear()
 
     def _on_step(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
+        if any(getattr(c, "skipped_step", None) == trainer.global_step for c in trainer.callbacks):
+            return  # the NaN guard dropped this step's gradients (policy skip, verdict read on the host)
         reduce, world = self._reduce(trainer), trainer.world_size
         logging_step = step % max(1, trainer.log_every_n_steps) == 0
         t0 = time.perf_counter()
-        norm = self._sentinel.observe(pl_module.named_parameters(), step) if self.sentinel else None
+        # a step the NaN guard skips on the device (fused AdamW's found_inf) is the guard's to report
+        skipped = next((f for o in trainer.optimizers if (f := getattr(o, "found_inf", None)) is not None), None)
+        norm = self._sentinel.observe(pl_module.named_parameters(), step, skipped) if self.sentinel else None
         if logging_step:
             norm = norm if self.sentinel else total_grad_norm(pl_module.named_parameters())
             if norm is not None:
@@ -277,6 +281,10 @@ class GradientFlowArbiter(Callback):
         seen = self._sentinel.findings(reduce) if self.sentinel else {}
         self._sentinel.reset()
         scaler = getattr(trainer.precision_plugin, "scaler", None)
+        skipped = next((f for o in trainer.optimizers if (f := getattr(o, "found_inf", None)) is not None), None)
+        if report.nonfinite and skipped is not None and scaler is None and bool(skipped.item()):
+            log.warning("gradient flow: non-finite gradients at step %d; the NaN guard skips this step", step)
+            return
         if report.nonfinite and scaler is not None and self._deferred < MAX_DEFERRED:
             # fp16 loss scaling: the GradScaler skips this step and lowers the scale; not (yet) a fault
             self._deferred += 1

@@ -201,7 +201,7 @@ class ThroughputMonitor(Callback):
             f"MFU {mfu:.2f}% is below the floor of {floor:g}% at step {step} "
             f"({stats['tokens_per_s']:,.0f} tokens/s, {stats['step_ms']:.1f} ms/step, "
             f"{stats['data_wait_pct']:.1f}% waiting for data) against the {self.peak.describe()}. "
-            "Check trainer.precision (bf16-mixed), module.compile, module.sdpa_backend=flash, "
+            "Check trainer.precision (bf16-mixed), module.compile, module.sdpa_backend, module.loss_impl, "
             "optimizer.fused, data.num_workers and the micro-batch size; or lower callbacks.throughput.min_mfu_pct"
         )
         if self.on_low_mfu == "raise":

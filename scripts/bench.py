@@ -43,8 +43,11 @@ import bnlit.resolvers  # noqa: F401
 from bnlit import CONF_DIR
 from bnlit.data.dataset import PackedWindows
 from bnlit.flops import flops_per_token
-from bnlit.module import next_token_loss, param_groups
+from bnlit.document_masking import document_mask
+from bnlit.loss import loss_fn
+from bnlit.module import param_groups
 from bnlit.throughput import resolve_peak
+from bnlit.tokenizer import EOS_ID
 from bnlit.train import instantiate_group
 
 
@@ -108,7 +111,8 @@ def lightning_run(cfg: DictConfig, datamodule, warmup: int, steps: int, train_da
     trainer.fit(module, datamodule=datamodule, train_dataloaders=train_dataloaders)
     mfu = next((c for c in callbacks if type(c).__name__ == "ThroughputMonitor"), None)
     arbiter = next((c for c in callbacks if type(c).__name__ == "GradientFlowArbiter"), None)
-    out = {"tokens_per_s": clock.tokens_per_s, "monitor": dict(mfu.last) if mfu else {}}
+    out = {"tokens_per_s": clock.tokens_per_s, "monitor": dict(mfu.last) if mfu else {},
+           "attention_kernel": module.attention_kernel}
     if arbiter is not None and arbiter.sentinel_steps:
         # measured inside the same run: the sentinel's own time per step over the mean step time
         step_s = cfg.data.batch_size * cfg.data.seq_len / clock.tokens_per_s
@@ -120,6 +124,7 @@ def raw_run(cfg: DictConfig, datamodule, warmup: int, steps: int) -> dict:
     """The same model, optimizer, schedule, clipping and batches in a plain PyTorch loop."""
     torch.manual_seed(cfg.seed)
     model = instantiate(cfg.model)
+    model.loss_fn = loss_fn(cfg.module.loss_impl, "cpu")
     optimizer = instantiate(cfg.optimizer)(param_groups(model, cfg.optimizer.weight_decay))
     scheduler = instantiate(cfg.scheduler)(optimizer)
     clip = cfg.trainer.gradient_clip_val
@@ -132,7 +137,8 @@ def raw_run(cfg: DictConfig, datamodule, warmup: int, steps: int) -> dict:
         tf = time.perf_counter()
         x, y = next(batches)
         fetch += time.perf_counter() - tf
-        loss = next_token_loss(model(x), y)
+        mask = document_mask(x, EOS_ID) if cfg.module.document_masking else None
+        loss = model(x, y, mask=mask)
         loss.backward()
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -157,6 +163,10 @@ def cpu_bench(args, run_root: Path) -> dict:
         variants["lightning_arbiter_every_step"] = ["callbacks.gradient_flow.every_n_steps=1"]
     else:
         variants["lightning"] = ["~callbacks.gradient_flow"]
+    # the step-time cost of document masking and of the chunked loss (module.* switches)
+    masking_on = make_cfg(base, run_root / "probe").module.document_masking
+    variants["lightning_masking_flipped"] = [f"module.document_masking={str(not masking_on).lower()}"]
+    variants["lightning_chunked_loss"] = ["module.loss_impl=chunked"]
     cfgs = {name: make_cfg(base + extra, run_root / name) for name, extra in variants.items()}
     cfg = cfgs["lightning"]
     datamodule = instantiate(cfg.data)
@@ -208,6 +218,14 @@ def cpu_bench(args, run_root: Path) -> dict:
         "peak_rss_gib": monitor.get("memory/peak_rss_gib"),
         "runs_tokens_per_s": tps,
     }
+    # step-time ratios (1.05 = 5% slower): masking on / off, chunked / plain loss
+    on, off = ("lightning", "lightning_masking_flipped") if masking_on else ("lightning_masking_flipped", "lightning")
+    out["document_masking_step_time_ratio"] = paired(off, on)
+    out["document_masking_step_time_ratio_best_of"] = best[off] / best[on]
+    out["chunked_loss_step_time_ratio"] = paired("lightning", "lightning_chunked_loss")  # vs the configured loss_impl
+    out["loss_impl"] = cfg.module.loss_impl
+    if args.memory:
+        out["loss_memory"] = loss_memory(args)
     if have_arbiter:
         # step-time ratio with / without the arbiter (1.01 = 1% slower)
         out["arbiter_overhead_ratio_default"] = paired("lightning_no_arbiter", "lightning")
@@ -221,6 +239,51 @@ def cpu_bench(args, run_root: Path) -> dict:
         out["arbiter_note"] = ("step-time ratio with/without GradientFlowArbiter; its one-time parity probe at "
                                "step 1 is in the untimed warm-up")
     return out
+
+
+def _rss_mib(field: str) -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def memory_child(impl: str, model: str, seq_len: int, batch_size: int) -> dict:
+    """In a fresh process: peak resident memory (VmHWM) over one forward+backward of ``model`` at
+    ``seq_len`` x ``batch_size`` with ``module.loss_impl=impl``, above the resident memory once the
+    model and the batch exist."""
+    cfg = make_cfg([f"model={model}", f"module.loss_impl={impl}"], Path(tempfile.gettempdir()))
+    torch.manual_seed(0)
+    net = instantiate(cfg.model)
+    net.loss_fn = loss_fn(impl, "cpu")
+    x, y = torch.randint(0, net.config.vocab_size, (2, batch_size, seq_len))
+    mask = document_mask(x, EOS_ID) if cfg.module.document_masking else None
+    base = _rss_mib("VmRSS")
+    net(x, y, mask=mask).backward()
+    return {"impl": impl, "baseline_mib": base, "peak_mib": _rss_mib("VmHWM"), "growth_mib": _rss_mib("VmHWM") - base}
+
+
+def loss_memory(args) -> dict:
+    """Peak memory of one forward+backward, plain vs chunked loss, each in its own process,
+    alternated ``--memory-reps`` times: ``chunked_vs_plain`` is the median paired ratio of the
+    growth above the model's resident memory."""
+    import subprocess
+
+    runs: dict[str, list[dict]] = {"plain": [], "chunked": []}
+    for rep in range(args.memory_reps):
+        for impl in (("plain", "chunked") if rep % 2 == 0 else ("chunked", "plain")):
+            cmd = [sys.executable, __file__, "--memory-child", impl, "--model", args.memory_model,
+                   "--seq-len", str(args.memory_seq_len), "--batch-size", str(args.memory_batch_size)]
+            r = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+            runs[impl].append(r)
+            print(f"memory rep {rep + 1}/{args.memory_reps} {impl:8s} peak growth {r['growth_mib']:8.0f} MiB",
+                  file=sys.stderr, flush=True)
+    ratios = [c["growth_mib"] / p["growth_mib"] for p, c in zip(runs["plain"], runs["chunked"])]
+    return {"model": args.memory_model, "seq_len": args.memory_seq_len, "batch_size": args.memory_batch_size,
+            "what": "peak RSS growth over one forward+backward, above the resident model and batch",
+            "plain_growth_mib": statistics.median(r["growth_mib"] for r in runs["plain"]),
+            "chunked_growth_mib": statistics.median(r["growth_mib"] for r in runs["chunked"]),
+            "chunked_vs_plain": statistics.median(ratios), "runs": runs}
 
 
 def cuda_bench(args, run_root: Path) -> dict:
@@ -273,6 +336,8 @@ def cuda_bench(args, run_root: Path) -> dict:
         "seq_len": seq_len, "micro_batch": micro, "warmup_steps": args.warmup, "timed_steps": args.steps,
         "precision": cfg.trainer.precision, "compile": cfg.module.compile, "fullgraph": cfg.module.fullgraph,
         "sdpa_backend": cfg.module.sdpa_backend, "fused_adamw": cfg.optimizer.fused,
+        "loss_impl": cfg.module.loss_impl, "document_masking": cfg.module.document_masking,
+        "attention_kernel": r["attention_kernel"],
         "tokens_per_s": r["tokens_per_s"], "flops_per_token": fpt, "tflops": fpt * r["tokens_per_s"] / 1e12,
         "peak_flops": peak.flops, "peak_measured": peak.measured, "peak_source": peak.source,
         "mfu_pct": 100 * fpt * r["tokens_per_s"] / peak.flops,
@@ -295,8 +360,21 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--threads", type=int, default=None, help="CPU: torch threads")
     ap.add_argument("--parity", action="store_true", help="CUDA: keep the arbiter's fp32 parity probe")
     ap.add_argument("--cpu", action="store_true", help="run the CPU benchmark even if CUDA is available")
-    ap.add_argument("--override", action="append", default=[], help="extra Hydra override (repeatable)")
+    ap.add_argument("--override", action="append", default=[], help="extra Hydra override (repeatable); on CUDA "
+                    "e.g. --override module.loss_impl=fused --override module.sdpa_backend=cudnn")
+    ap.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True,
+                    help="CPU: also measure the peak memory of plain vs chunked loss (subprocesses)")
+    ap.add_argument("--memory-model", default="25m", help="CPU memory check: preset (default 25m)")
+    ap.add_argument("--memory-seq-len", type=int, default=512)
+    ap.add_argument("--memory-batch-size", type=int, default=8)
+    ap.add_argument("--memory-reps", type=int, default=2, help="alternated plain/chunked pairs")
+    ap.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.memory_child:
+        torch.set_num_threads(args.threads or 1)
+        result = memory_child(args.memory_child, args.model, args.seq_len, args.batch_size)
+        print(json.dumps(result))
+        return result
     cuda = torch.cuda.is_available() and not args.cpu
     args.model = args.model or ("400m" if cuda else "tiny")
     args.warmup = 5 if args.warmup is None else args.warmup
@@ -330,6 +408,13 @@ def main(argv: list[str] | None = None) -> dict:
               f"of step time (timed within the default runs)")
         print(f"  data loader share of raw step time {100 * result['data_loader_share']:.1f}%; "
               f"Lightning data wait {fmt(result['lightning_data_wait_pct'], '.1f')}%")
+        print(f"  document masking step-time ratio {result['document_masking_step_time_ratio']:.3f}; chunked loss "
+              f"step-time ratio {result['chunked_loss_step_time_ratio']:.3f}")
+        if result.get("loss_memory"):
+            m = result["loss_memory"]
+            print(f"  peak memory of one forward+backward ({m['model']}, seq {m['seq_len']}, batch {m['batch_size']}): "
+                  f"plain +{m['plain_growth_mib']:.0f} MiB, chunked +{m['chunked_growth_mib']:.0f} MiB, "
+                  f"chunked_vs_plain {m['chunked_vs_plain']:.2f}")
         print(f"  MFU {result['mfu_cpu_pct_lightning']:.2f}% (raw {result['mfu_cpu_pct_raw']:.2f}%) of the measured "
               f"matmul peak {result['peak_flops'] / 1e9:.1f} GFLOP/s")
     return result

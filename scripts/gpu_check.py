@@ -7,7 +7,10 @@ On a CUDA machine (under 8 minutes on one H100):
    to ``--accumulate`` so the steps fit the time), with a validation and a checkpoint at the end;
 2. ``bench_cuda``: ``python scripts/bench.py --json`` (its CUDA path: the same fast path on random
    tokens, timed after warm-up);
-3. ``fsdp_2gpu``: ``model=400m trainer=fsdp trainer.devices=2`` for a few steps, when 2 GPUs exist.
+3. ``fsdp_2gpu``: ``model=400m trainer=fsdp trainer.devices=2`` for a few steps, when 2 GPUs exist;
+4. with ``--switches``: ``bench_loss_<plain|chunked|fused>`` and ``bench_sdpa_<auto|cudnn|flash|efficient>``
+   (document masking off: it runs flex attention, not SDPA), each line with its MFU and the
+   attention kernel that ran (``fused`` fails in one line where liger-kernel is not installed).
 
 Each line carries ``ok``, ``tokens_per_s``, ``mfu_pct``, ``peak_memory_gib``, ``parity`` (the
 gradient-flow arbiter's fast-path verdict line) and the run's ``fast_path`` line, read from the
@@ -46,6 +49,13 @@ def plan(args, root: Path, n_gpus: int) -> list[tuple[str, list[str], Path | Non
                                            args.override), root / "train_h100"),
               ("bench_cuda", [sys.executable, str(REPO / "scripts" / "bench.py"), "--json",
                               "--model", args.model, "--steps", str(args.bench_steps)], None)]
+    if args.switches:  # MFU of each module.loss_impl, then each SDPA kernel (causal: masking uses flex attention)
+        bench = checks[1][1]
+        checks += [(f"bench_loss_{impl}", [*bench, f"--override=module.loss_impl={impl}"], None)
+                   for impl in ("plain", "chunked", "fused")]
+        checks += [(f"bench_sdpa_{b}", [*bench, "--override=module.document_masking=false",
+                                        f"--override=module.sdpa_backend={b}"], None)
+                   for b in ("auto", "cudnn", "flash", "efficient")]
     if n_gpus >= 2:
         checks.append(("fsdp_2gpu", train_command(root / "fsdp_2gpu", args.model, "fsdp", args.fsdp_steps, 1,
                                                   ["trainer.devices=2", *args.override]), root / "fsdp_2gpu"))
@@ -80,7 +90,9 @@ def read_run(run_dir: Path) -> dict:
 
 def read_bench(stdout: str) -> dict:
     r = json.loads(stdout[stdout.index("{"):])
-    return {k: r.get(k) for k in ("device", "tokens_per_s", "mfu_pct", "peak_memory_gib", "micro_batch", "seq_len")} | {
+    keys = ("device", "tokens_per_s", "mfu_pct", "peak_memory_gib", "micro_batch", "seq_len", "loss_impl",
+            "sdpa_backend", "document_masking", "attention_kernel")
+    return {k: r.get(k) for k in keys} | {
         "parity": "probe off in the bench (the train_h100 check runs it)"}
 
 
@@ -94,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=int, default=300, help="seconds per check")
     ap.add_argument("--out", type=Path, default=None, help="run dirs here (default: a temporary dir)")
     ap.add_argument("--dry-run", action="store_true", help="print the checks' commands and exit")
+    ap.add_argument("--switches", action="store_true", help="also bench MFU for each module.loss_impl and each "
+                    "module.sdpa_backend (7 more bench runs, a few minutes each)")
     ap.add_argument("--override", action="append", default=[], help="extra Hydra override for the runs (repeatable)")
     args = ap.parse_args(argv)
 

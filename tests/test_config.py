@@ -31,7 +31,7 @@ def test_every_option_composes(make_cfg, group, option, tmp_path):
 def test_h100_composes_the_production_setup(make_cfg):
     cfg = make_cfg("model=400m", "trainer=h100", tiny=False)
     assert cfg.trainer.precision == "bf16-mixed" and cfg.trainer.accelerator == "gpu"
-    assert cfg.module.compile is True and cfg.module.sdpa_backend == "flash"
+    assert cfg.module.compile is True and cfg.module.sdpa_backend == "auto" and cfg.module.loss_impl == "chunked"
     assert cfg.optimizer.fused is True
     tokens = cfg.data.batch_size * cfg.trainer.accumulate_grad_batches * cfg.data.seq_len
     assert cfg.data.seq_len == 2048 and tokens == 524288

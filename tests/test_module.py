@@ -96,6 +96,7 @@ def test_fast_path_line_reads_the_live_objects():
     trainer, module = fit("bf16-mixed", clip=1.0, callbacks=[cap], max_steps=1, num_workers=1, prefetch_factor=3)
     assert module.fast_path == cap.line
     assert cap.line == ("fast path: bf16-mixed autocast, eager (no torch.compile), fused AdamW, sdpa=cpu, "
+                        "attention=sdpa:flash (document mask), loss=plain, "
                         "strategy=single device (cpu), accumulate=1, workers=1 (prefetch 3)")
 
 

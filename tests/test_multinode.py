@@ -14,9 +14,16 @@ import pytest
 import torch
 
 from bnlit.summary import read_metrics
-from conftest import REHEARSAL, TINY
+from conftest import TINY
 
 STEPS = ["trainer.max_steps=6", "trainer.val_check_interval=3", "callbacks.model_checkpoint.every_n_train_steps=3"]
+# the production profile rehearsed on CPU: bf16-mixed autocast, torch.compile, fused AdamW, DDP over gloo
+PROFILE = ["trainer=multinode", "debug=rehearsal"]
+
+
+# bf16 autocast: a micro-batch of 2 sequences and one of 4 round their matmuls differently (max
+# difference seen: 2.0e-4 over 6 steps; 1e-5 holds at 32-true, tests/test_distributed.py)
+TOLERANCE = 1e-3
 
 
 def free_port() -> int:
@@ -34,14 +41,15 @@ def losses(run_dir: Path) -> dict[int, float]:
 def test_two_torchrun_nodes_train_as_one_run(tmp_path, cache_dir):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     one = tmp_path / "one"
-    out = subprocess.run([sys.executable, "-m", "bnlit.train", *TINY, *STEPS, "data.batch_size=4",
-                          f"hydra.run.dir={one}"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=900)
+    out = subprocess.run([sys.executable, "-m", "bnlit.train", *TINY, *PROFILE, "trainer.num_nodes=1",
+                          "trainer.devices=1", *STEPS, "data.batch_size=4", f"hydra.run.dir={one}"],
+                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
 
     run, port = tmp_path / "two", free_port()
     nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
                                f"--node-rank={r}", "--master-addr=127.0.0.1", f"--master-port={port}",
-                               "-m", "bnlit.train", *TINY, "trainer=multinode", *REHEARSAL, "trainer.num_nodes=2",
+                               "-m", "bnlit.train", *TINY, *PROFILE, "trainer.num_nodes=2",
                                "trainer.devices=1", *STEPS, "data.batch_size=2", "trainer.limit_val_batches=4",
                                f"hydra.run.dir={run}"],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
@@ -52,7 +60,7 @@ def test_two_torchrun_nodes_train_as_one_run(tmp_path, cache_dir):
     ref, got = losses(one), losses(run)
     assert sorted(got) == sorted(ref) == list(range(6))
     diff = max(abs(got[s] - ref[s]) for s in ref)
-    assert diff < 1e-5, (diff, ref, got)
+    assert diff < TOLERANCE, (diff, ref, got)
     assert [p.name for p in tmp_path.iterdir() if p.is_dir()] in (["one", "two"], ["two", "one"])
     assert sorted(p.name for p in (run / "checkpoints").iterdir() if "ckpt" in p.name) == \
         ["last.ckpt", "step0000003.ckpt", "step0000006.ckpt"]

@@ -85,7 +85,7 @@ def test_h100_rehearsal(tmp_path, cache_dir):
     run = tmp_path / "h100" / "run"
     out = run_cli(run, "model=tiny", "trainer=h100", "debug=rehearsal")
     log = assert_rehearsal(out, run, "fast path: bf16-mixed autocast, torch.compile(fullgraph), fused AdamW, "
-                                     "sdpa=cpu (flash requested: CUDA-only, cpu kernel instead), "
+                                     "sdpa=cpu, attention=sdpa:flash (document mask), loss=chunked, "
                                      "strategy=single device (cpu), accumulate=16, workers=4 (prefetch 4, ")
     assert "fast-path parity (bf16-mixed, compiled)" in log
     assert sorted(metric(run, "train/loss")) == [0, 1, 2, 3]
@@ -105,7 +105,7 @@ def test_multinode_rehearsal(tmp_path, cache_dir):
     run = tmp_path / "multinode" / "run"
     out = run_cli(run, "model=tiny", "trainer=multinode", "debug=rehearsal")
     log = assert_rehearsal(out, run, "fast path: bf16-mixed autocast, torch.compile(fullgraph), fused AdamW, "
-                                     "sdpa=cpu (flash requested: CUDA-only, cpu kernel instead), "
+                                     "sdpa=cpu, attention=sdpa:flash (document mask), loss=chunked, "
                                      "strategy=ddp(2, gloo), accumulate=1, workers=4")
     assert "fast-path parity (bf16-mixed, compiled)" in log
 
@@ -120,7 +120,7 @@ def test_fsdp_rehearsal_parity_and_resume(tmp_path, cache_dir):
     run = tmp_path / "fsdp" / "run"
     out = run_cli(run, "model=tiny", "trainer=fsdp", "debug=rehearsal")
     assert_rehearsal(out, run, "fast path: bf16-mixed autocast, torch.compile(fullgraph) x2 blocks, fused AdamW, "
-                               "sdpa=cpu (flash requested: CUDA-only, cpu kernel instead), "
+                               "sdpa=cpu, attention=sdpa:flash (document mask), loss=chunked, "
                                "strategy=fsdp2(2, gloo), accumulate=2, workers=4")
 
     exact = ["trainer.precision=32-true", "module.compile=false", "data.num_workers=0", "validate_at_start=false"]

@@ -270,7 +270,7 @@ def test_h100_config_is_the_fast_path():
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("train", overrides=["model=400m", "trainer=h100"])
     assert cfg.trainer.precision == "bf16-mixed" and cfg.trainer.accelerator == "gpu"
-    assert cfg.module.compile and cfg.module.fullgraph and cfg.module.sdpa_backend == "flash"
+    assert cfg.module.compile and cfg.module.fullgraph and cfg.module.sdpa_backend == "auto"
     assert cfg.optimizer.fused is True
     assert cfg.data.pin_memory and cfg.data.num_workers > 0 and cfg.data.prefetch_factor >= 2
     assert cfg.data.seq_len == 2048 and cfg.callbacks.throughput.min_mfu_pct == 20.0
@@ -301,9 +301,14 @@ def test_bench_script_runs_on_cpu(cache_dir, capsys):
     keep = [o for o in TINY if not o.startswith(("trainer.max_steps", "trainer.val_check", "trainer.limit_val",
                                                   "callbacks.model_checkpoint", "logger", "~callbacks.progress_bar",
                                                   "trainer.enable_progress_bar"))]
-    out = bench.main(["--json", "--warmup", "2", "--steps", "3", "--reps", "1", *(f"--override={o}" for o in keep)])
+    out = bench.main(["--json", "--warmup", "2", "--steps", "3", "--reps", "1", "--memory-model", "tiny",
+                      "--memory-seq-len", "64", "--memory-batch-size", "2", "--memory-reps", "1",
+                      *(f"--override={o}" for o in keep)])
     printed = json.loads(capsys.readouterr().out)
     assert printed["lightning_vs_raw"] == pytest.approx(out["lightning_vs_raw"])
     for k in ("tokens_per_s_raw", "tokens_per_s_lightning", "lightning_vs_raw", "arbiter_overhead_ratio_default",
-              "arbiter_overhead_ratio_every_step", "data_loader_share", "mfu_cpu_pct_lightning"):
+              "arbiter_overhead_ratio_every_step", "data_loader_share", "mfu_cpu_pct_lightning",
+              "document_masking_step_time_ratio", "chunked_loss_step_time_ratio"):
         assert printed[k] is not None and printed[k] > 0, k
+    memory = printed["loss_memory"]
+    assert memory["plain_growth_mib"] > 0 and memory["chunked_growth_mib"] > 0 and memory["chunked_vs_plain"] > 0
