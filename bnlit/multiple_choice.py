@@ -8,7 +8,10 @@ of ``context + choice`` after the tokens of ``context``, so a piece spanning the
 split differently from how the model saw such text. The stream starts with ``eos``, the token a
 document follows in bnlit's training shards.
 
-Input is a JSONL file of ``{"context": str, "choices": [str, ...], "label": int}``.
+Input is a JSONL file of ``{"context": str, "choices": [str, ...], "label": int}``, or of
+Belebele's own rows (``flores_passage``, ``question``, ``mc_answer1..4``, ``correct_answer_num``,
+as in the ``facebook/belebele`` files such as ``ben_Beng.jsonl``), scored as a cloze: the passage
+and question as context, each answer as a continuation (:func:`belebele_item`).
 """
 
 from __future__ import annotations
@@ -44,7 +47,8 @@ def load_items(path: str | os.PathLike) -> list[MultipleChoiceItem]:
             continue
         try:
             row = json.loads(line)
-            item = MultipleChoiceItem(str(row["context"]), [str(c) for c in row["choices"]], int(row["label"]))
+            item = belebele_item(row) if "flores_passage" in row else \
+                MultipleChoiceItem(str(row["context"]), [str(c) for c in row["choices"]], int(row["label"]))
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
             raise DataError(f"{path}:{n}: not a {{\"context\", \"choices\", \"label\"}} object ({e}); fix that line") from None
         if len(item.choices) < 2 or not 0 <= item.label < len(item.choices) or not all(item.choices):
@@ -54,6 +58,14 @@ def load_items(path: str | os.PathLike) -> list[MultipleChoiceItem]:
     if not items:
         raise DataError(f"multiple-choice file {path} has no items")
     return items
+
+
+def belebele_item(row: dict) -> MultipleChoiceItem:
+    """A Belebele row as a cloze item: ``{passage}\\nQuestion: {question}\\nAnswer:`` followed by
+    each of the four answers (after a space); ``correct_answer_num`` counts from 1."""
+    context = f"{row['flores_passage'].strip()}\nQuestion: {row['question'].strip()}\nAnswer:"
+    choices = [" " + str(row[f"mc_answer{i}"]).strip() for i in range(1, 5)]
+    return MultipleChoiceItem(context, choices, int(row["correct_answer_num"]) - 1)
 
 
 def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:

@@ -24,6 +24,7 @@ Counts are small (a sorted array of the distinct bigrams seen), saved with the r
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -38,10 +39,10 @@ BASELINE_DIR = "baselines"
 
 
 def discount(counts: np.ndarray) -> float:
-    """Ney et al.'s absolute discount ``n1 / (n1 + 2 n2)`` from the counts of counts (0.5 when
-    there is neither a singleton nor a doubleton)."""
+    """Ney et al.'s absolute discount ``n1 / (n1 + 2 n2)`` from the counts of counts; 0.5 when
+    there is no singleton (the estimate would be 0 and leave nothing for unseen events)."""
     n1, n2 = int(np.sum(counts == 1)), int(np.sum(counts == 2))
-    return n1 / (n1 + 2 * n2) if n1 + n2 else 0.5
+    return n1 / (n1 + 2 * n2) if n1 else 0.5
 
 
 @dataclass
@@ -159,6 +160,45 @@ def count_languages(streams: dict[str, np.ndarray], vocab_size: int) -> dict[str
     return {lang: NgramCounts.from_stream(s, vocab_size) for lang, s in streams.items()}
 
 
+def _merge(keys: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    order = np.argsort(keys, kind="stable")
+    keys, counts = keys[order], counts[order]
+    starts = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]]) if keys.size else np.zeros(0, dtype=np.int64)
+    return keys[starts], np.add.reduceat(counts, starts) if keys.size else counts
+
+
+def count_shards(shard_dir: str | os.PathLike, index: dict, eos_id: int, vocab_size: int,
+                 chunk_tokens: int = 1 << 24, max_tokens: int | None = None) -> dict[str, NgramCounts]:
+    """:func:`count_languages` of :func:`training_streams` without holding a language's stream in
+    memory: the memory-mapped shards are read in chunks of ``chunk_tokens`` (each chunk's first
+    pair joins it to the previous token) and the distinct pairs are merged as they come. With
+    ``max_tokens``, each language counts only its first ``max_tokens`` training tokens."""
+    from bnlit.data.shards import read_tokens
+
+    V = vocab_size
+    out: dict[str, NgramCounts] = {}
+    state: dict[str, dict] = {}
+    for name, entry in index["sources"].items():
+        lang = entry["language"]
+        st = state.setdefault(lang, {"prev": eos_id, "seen": 0, "uni": np.zeros(V, dtype=np.int64),
+                                     "keys": np.zeros(0, dtype=np.int64), "counts": np.zeros(0, dtype=np.int64)})
+        tokens = read_tokens(shard_dir, index, name, "train")
+        for start in range(0, len(tokens), chunk_tokens):
+            left = None if max_tokens is None else max_tokens - st["seen"]
+            if left is not None and left <= 0:
+                break
+            chunk = np.asarray(tokens[start:start + (chunk_tokens if left is None else min(chunk_tokens, left))],
+                               dtype=np.int64)
+            s = np.concatenate([[st["prev"]], chunk])
+            st["uni"] += np.bincount(chunk, minlength=V)
+            k, c = np.unique(s[:-1] * V + s[1:], return_counts=True)
+            st["keys"], st["counts"] = _merge(np.concatenate([st["keys"], k]), np.concatenate([st["counts"], c]))
+            st["prev"], st["seen"] = int(chunk[-1]), st["seen"] + chunk.size
+    for lang, st in state.items():
+        out[lang] = NgramCounts(V, st["uni"], st["keys"], st["counts"].astype(np.int64))
+    return out
+
+
 def baseline_path(run_dir: str | os.PathLike, lang: str) -> Path:
     return Path(run_dir) / BASELINE_DIR / f"ngram_{lang}.npz"
 
@@ -175,3 +215,68 @@ def load_baselines(run_dir: str | os.PathLike, languages: Iterable[str]) -> dict
         if p.is_file():
             out[lang] = NgramCounts.load(p)
     return out
+
+
+# ---- verdicts: did the trained model beat each baseline --------------------------------------
+def beaten(trained: EvalResult, baselines: dict[str, EvalResult]) -> dict[str, bool]:
+    """Per baseline (``twin``, ``unigram``, ``bigram``...): whether the trained model's bits/char
+    is below it (NLL/token would do as well: both are scored on the same stream)."""
+    return {name: trained.bits_per_char < b.bits_per_char for name, b in baselines.items()}
+
+
+def baseline_verdicts(trained: dict[str, EvalResult], baselines: dict[str, dict[str, EvalResult]], step: int,
+                      learning_after_steps: int) -> list[str]:
+    """Warnings: from ``learning_after_steps`` on, a language whose trained model is not below its
+    unigram baseline has learned less than token frequencies."""
+    out = []
+    if step < learning_after_steps:
+        return out
+    for lang, t in trained.items():
+        u = baselines.get(lang, {}).get("unigram")
+        if u is not None and not t.bits_per_char < u.bits_per_char:
+            out.append(f"baseline/{lang}: after {step} steps the trained model's {t.bits_per_char:.3f} bits/char is "
+                       f"not below the add-one unigram's {u.bits_per_char:.3f} (counted from the training shards): "
+                       "so far it has learned no more than token frequencies; if this persists, check "
+                       "optimizer.lr, the data and the grad/ metrics")
+    return out
+
+
+def summary_line(lang: str, trained: EvalResult, baselines: dict[str, EvalResult]) -> str:
+    """``bn: trained 3.04 bits/char; beat twin (4.07) yes, unigram (3.22) yes, bigram (2.73) NO``."""
+    wins = beaten(trained, baselines)
+    parts = [f"{name} ({b.bits_per_char:.3f}) {'yes' if wins[name] else 'NO'}" for name, b in baselines.items()]
+    return f"{lang}: trained {trained.bits_per_char:.3f} bits/char; beat " + ", ".join(parts)
+
+
+def baseline_metrics(trained: dict[str, EvalResult], baselines: dict[str, dict[str, EvalResult]]) -> dict[str, float]:
+    """The ``baseline/`` metrics of each language's n-gram baselines, and ``learned_context/<lang>``:
+    the bigram's bits/char minus the trained model's (positive when the model beats the bigram).
+    NaNs (a slice without bytes or characters) are left out."""
+    out = {}
+    for lang, t in trained.items():
+        for order, b in baselines.get(lang, {}).items():
+            out.update({f"baseline/{lang}_{order}_nll": b.nll_per_token,
+                        f"baseline/{lang}_{order}_bits_per_char": b.bits_per_char,
+                        f"baseline/{lang}_{order}_bits_per_byte": b.bits_per_byte})
+        if "bigram" in baselines.get(lang, {}):
+            out[f"learned_context/{lang}"] = baselines[lang]["bigram"].bits_per_char - t.bits_per_char
+    return {k: v for k, v in out.items() if not math.isnan(v)}
+
+
+def comparison_table(results: dict[str, dict[str, EvalResult]],
+                     baselines: dict[str, dict[str, EvalResult]]) -> tuple[list[str], list[list]]:
+    """Columns and rows of ``twin/table``: per language the trained model against its twin
+    (``results[lang] = {"trained", "twin"}``) and its n-gram baselines, and which it beat."""
+    columns = ["language", "tokens", "chars", "trained_nll_per_token", "twin_nll_per_token", "nll_gap",
+               "trained_bits_per_char", "twin_bits_per_char", "trained_bits_per_byte", "twin_bits_per_byte"]
+    orders = [o for o in BASELINES if any(o in b for b in baselines.values())]
+    columns += [f"{o}_bits_per_char" for o in orders] + [f"beat_{o}" for o in ("twin", *orders)]
+    rows = []
+    for lang, r in results.items():
+        t, w, base = r["trained"], r["twin"], baselines.get(lang, {})
+        wins = beaten(t, {"twin": w, **base})
+        rows.append([lang, t.tokens, t.chars, t.nll_per_token, w.nll_per_token, w.nll_per_token - t.nll_per_token,
+                     t.bits_per_char, w.bits_per_char, t.bits_per_byte, w.bits_per_byte]
+                    + [base[o].bits_per_char if o in base else None for o in orders]
+                    + [wins.get(o) for o in ("twin", *orders)])
+    return columns, rows

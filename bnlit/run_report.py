@@ -97,6 +97,8 @@ PLOTS = {
     "mfu": lambda k: k == "perf/mfu",
     "fertility": lambda k: k.startswith("tok/") and k.endswith("chars_per_token"),
     "twin_gap": lambda k: k.startswith("twin/") and "gap" in k,
+    # bigram minus trained bits/char per language: above zero once the model beats the bigram
+    "learned_context": lambda k: k.startswith("learned_context/"),
 }
 # plot name -> (title, y-axis label with its unit); the x axis of every curve is the CSV's step:
 # optimizer steps completed before the value was measured (Lightning's logging step)
@@ -105,6 +107,8 @@ PLOT_AXES = {
     "mfu": ("model FLOPs utilisation", "MFU (% of peak FLOP/s)"),
     "fertility": ("tokenizer fertility on the held-out slice (higher is better)", "characters per token"),
     "twin_gap": ("trained model vs its random twin", "NLL gap (nats/token)"),
+    "learned_context": ("trained model vs the bigram (above 0: it beats the bigram)",
+                        "bigram minus trained (bits/char)"),
 }
 STEP_LABEL = "optimizer step"
 
@@ -236,6 +240,28 @@ def _fmt(v: Any, key: str = "") -> str:
     return format_value(key, v)
 
 
+def proof_of_learning(tables: Path) -> list[str]:
+    """Plain sentences from the random-twin table: per language, whether the trained model beat
+    the twin, the unigram and the bigram (``callbacks/random_twin.py``)."""
+    path = tables / "twin_table.json"
+    if not path.is_file():
+        return []
+    data = json.loads(path.read_text())
+    cols = data.get("columns", [])
+    out = ["## Proof of learning", "",
+           f"Held-out bits/char at step {data.get('step', '?')} against each baseline (lower is better):", ""]
+    for row in data.get("rows", []):
+        r = dict(zip(cols, row))
+        parts = []
+        for name in ("twin", "unigram", "bigram"):
+            if r.get(f"beat_{name}") is not None and r.get(f"{name}_bits_per_char") is not None:
+                verdict = "beat" if r[f"beat_{name}"] else "**did not beat**"
+                parts.append(f"{verdict} the {name} ({r[f'{name}_bits_per_char']:.3f})")
+        if parts:
+            out.append(f"- {r['language']}: trained {r['trained_bits_per_char']:.3f} bits/char; " + ", ".join(parts))
+    return out + [""] if len(out) > 4 else []
+
+
 def write_summary(run_dir: str | os.PathLike, metrics: Mapping[str, float] | None = None,
                   fast_path: str | None = None) -> Path:
     """Write ``summary.md`` and ``plots/*.png`` into ``run_dir``; returns the summary path.
@@ -260,6 +286,7 @@ def write_summary(run_dir: str | os.PathLike, metrics: Mapping[str, float] | Non
                   "| metric | value | at step |", "|---|---|---|"]
         lines += [row(k, v) for k, v in sorted(final.items())]
         lines += ["", "</details>", ""]
+    lines += proof_of_learning(run_dir / "tables")
     plots = []
     for name, wanted in PLOTS.items():
         keys = sorted(k for k in series if wanted(k))

@@ -17,6 +17,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from bnlit.errors import BnlitError
+
+
+class LanguageStarvationError(BnlitError):
+    """A language stopped learning while another did (``callbacks.starvation.on_starved=raise``)."""
+
+    exit_code = 3
+
 
 @dataclass
 class LanguageTrend:

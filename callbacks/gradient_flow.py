@@ -41,6 +41,7 @@ from bnlit.gradient_flow import (
     slice_batch,
     snapshot_parameters,
     total_grad_norm,
+    unique_trainable,
     update_flow_report,
 )
 from bnlit.run_report import write_json_atomic
@@ -152,6 +153,8 @@ class GradientFlowArbiter(Callback):
         self.checks = 0  # full checks run in this fit
         self.sentinel_trips = 0  # full checks the sentinel asked for
         self.sentinel_seconds, self.sentinel_steps = 0.0, 0  # its own cost, for scripts/bench.py
+        self.skipped_steps = 0  # steps with no gradient at all (dropped by the NaN guard): not judged
+        self._pending = False  # a full check due on a dropped step runs at the next one
         self.last_report: dict[str, Any] | None = None
         self._batches: collections.deque = collections.deque(maxlen=64)  # this step's micro-batches
         self._sentinel = GradientSentinel(vanishing_factor)
@@ -207,6 +210,7 @@ class GradientFlowArbiter(Callback):
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.checks, self.sentinel_trips, self._parity_done, self._seen_step, self._deferred = 0, 0, False, -1, 0
         self.sentinel_seconds, self.sentinel_steps = 0.0, 0
+        self.skipped_steps, self._pending = 0, False
         self._sentinel = GradientSentinel(self.vanishing_factor, sharded=_is_sharded(trainer))
         self._batches.clear()
         ids = {id(p) for opt in trainer.optimizers for g in opt.param_groups for p in g["params"]}
@@ -245,6 +249,17 @@ class GradientFlowArbiter(Callback):
             return  # the NaN guard dropped this step's gradients (policy skip, verdict read on the host)
         reduce, world = self._reduce(trainer), trainer.world_size
         logging_step = step % max(1, trainer.log_every_n_steps) == 0
+        last = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
+        due = (self.checks == 0 or self._deferred > 0 or self._pending or step % self.every_n_steps == 0
+               or step == last)
+        if all(p.grad is None for _, p in unique_trainable(pl_module.named_parameters())[0]):
+            # no gradient on any parameter: a step dropped by design (the NaN guard's skip policy
+            # sets every .grad to None; a loss with no graph at all fails in backward instead).
+            # Nothing to judge: a check that was due runs at the next step with gradients.
+            self._pending = self._pending or due
+            self.skipped_steps += 1
+            return
+        self._pending = False
         t0 = time.perf_counter()
         # a step the NaN guard skips on the device (fused AdamW's found_inf) is the guard's to report
         skipped = next((f for o in trainer.optimizers if (f := getattr(o, "found_inf", None)) is not None), None)
@@ -262,10 +277,8 @@ class GradientFlowArbiter(Callback):
                 tripped = self._sentinel.tripped(reduce, extra=frozen)
             self.sentinel_seconds += time.perf_counter() - t0  # host time (CUDA: launches, not kernels)
             self.sentinel_steps += 1
-        # the first step of every fit (a resumed one too), a deferred check, the cadence, and the
-        # run's last step (so the grad/* values a summary calls final are the final step's)
-        last = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
-        due = self.checks == 0 or self._deferred > 0 or step % self.every_n_steps == 0 or step == last
+        # due: the first step of every fit (a resumed one too), a deferred check, the cadence, and
+        # the run's last step (so the grad/* values a summary calls final are the final step's)
         if tripped and not due:
             self.sentinel_trips += 1
         if due or tripped:

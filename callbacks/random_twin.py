@@ -1,5 +1,7 @@
 """``RandomTwinNLL``: the trained model against a freshly initialised twin of the same architecture
-and tokenizer, on each language's held-out slice, in NLL per token and bits per character.
+and tokenizer, and against an add-one unigram and a Kneser-Ney bigram counted from the run's
+training shards (:mod:`bnlit.ngram`), on each language's held-out slice, in NLL per token, bits
+per character and bits per byte.
 
 The twin answers two questions a loss curve alone does not: did the model learn anything (the
 trained NLL must fall below the twin's), and is the initialisation sane (a well-initialised model
@@ -7,6 +9,12 @@ predicts nearly uniformly, so the twin's NLL sits near ln(V)). The maths is :mod
 this callback picks the slice, chooses when to evaluate, logs and warns. The twin is built and
 scored once (it never changes); the trained model is scored at every ``every_n_validations``-th
 validation and at the end of training, when the table is printed and logged (``twin/table``).
+
+A twin alone flatters: a model that has learned only token frequencies beats it by far. The
+unigram says whether the model learned more than frequencies, the bigram whether it learned
+context: ``learned_context/<lang>`` is the bigram's bits/char minus the trained model's (positive
+when the model beats the bigram). The counts are saved as ``<run dir>/baselines/ngram_<lang>.npz``
+for ``scripts/evaluate.py``.
 
 Nothing here touches the training RNG streams (the twin has its own generator, evaluation draws
 no random numbers and runs inside ``fork_rng`` all the same) or leaves the model in another mode.
@@ -35,7 +43,8 @@ from bnlit.evaluation import (
     twin_model,
     twin_verdicts,
 )
-from bnlit.run_report import log_metrics, log_table
+from bnlit.ngram import baseline_metrics, baseline_verdicts, comparison_table, count_shards, save_baselines, summary_line
+from bnlit.run_report import log_metrics, log_table, run_dir
 
 log = logging.getLogger(__name__)
 
@@ -50,11 +59,15 @@ class RandomTwinNLL(L.Callback):
     init_tolerance: warn when the twin's NLL is further than this (relative) from ln(V).
     learning_after_steps: from this step on, warn when the trained model is not below its twin.
     languages: the languages to score (default: every validation language).
+    baselines: also count and score the unigram and bigram baselines of the training shards.
+    baseline_max_tokens: count the baselines from at most this many training tokens per language
+        (None: all of them).
     """
 
     def __init__(self, max_tokens: int | None = 16384, every_n_validations: int = 1, seed: int = 1234,
                  batch_size: int = 8, init_tolerance: float = 0.15, learning_after_steps: int = 100,
-                 languages: Sequence[str] | None = None):
+                 languages: Sequence[str] | None = None, baselines: bool = True,
+                 baseline_max_tokens: int | None = 50_000_000):
         if max_tokens is not None and max_tokens < 2:
             raise ConfigError(f"callbacks.random_twin.max_tokens={max_tokens}: must be >= 2 or null (whole slice)")
         if every_n_validations < 0 or batch_size < 1 or init_tolerance <= 0:
@@ -66,6 +79,8 @@ class RandomTwinNLL(L.Callback):
         self.languages = list(languages) if languages else None
         self._slices: dict[str, tuple[np.ndarray, int, int]] | None = None
         self._twin: dict[str, EvalResult] = {}
+        self.baselines, self.baseline_max_tokens = baselines, baseline_max_tokens
+        self._baselines: dict[str, dict[str, EvalResult]] = {}  # lang -> unigram/bigram on the slice
         self._validations = 0
         self._last_step = -1
         self.results: dict[str, dict[str, EvalResult]] = {}
@@ -97,6 +112,12 @@ class RandomTwinNLL(L.Callback):
             stream = np.concatenate([np.asarray([eos], dtype=np.int64), tokens.astype(np.int64)])
             self._slices[lang] = (stream, chars, nbytes)
         self.seq_len = dm.seq_len
+        if self.baselines and getattr(dm, "shard_dir", None) is not None:
+            counts = count_shards(dm.shard_dir, dm.index, eos, tok.vocab_size, max_tokens=self.baseline_max_tokens)
+            if trainer.is_global_zero:
+                save_baselines(run_dir(trainer), counts)
+            self._baselines = {lang: counts[lang].evaluate(*self._slices[lang])
+                               for lang in self._slices if lang in counts}
         model = pl_module.model
         dtype = next(model.parameters()).dtype
         twin = twin_model(model, self.seed).to(device=pl_module.device, dtype=dtype)
@@ -137,13 +158,15 @@ class RandomTwinNLL(L.Callback):
             return
         if trainer.is_global_zero:
             log.info("%s", format_twin_table(self.results, self.vocab_size, trainer.global_step))
-        columns = ["language", "tokens", "chars", "trained_nll_per_token", "twin_nll_per_token", "nll_gap",
-                   "trained_bits_per_char", "twin_bits_per_char", "trained_bits_per_byte", "twin_bits_per_byte"]
-        rows = [[lang, r["trained"].tokens, r["trained"].chars, r["trained"].nll_per_token, r["twin"].nll_per_token,
-                 r["twin"].nll_per_token - r["trained"].nll_per_token, r["trained"].bits_per_char,
-                 r["twin"].bits_per_char, r["trained"].bits_per_byte, r["twin"].bits_per_byte]
-                for lang, r in self.results.items()]
+            for lang, r in self.results.items():
+                log.info("proof of learning (step %d) %s", trainer.global_step,
+                         summary_line(lang, r["trained"], self._compared(lang)))
+        columns, rows = comparison_table(self.results, self._baselines)
         log_table(trainer, "twin/table", columns, rows)
+
+    def _compared(self, lang: str) -> dict[str, EvalResult]:
+        """The baselines the trained model of ``lang`` is compared with: twin, unigram, bigram."""
+        return {"twin": self.results[lang]["twin"], **self._baselines.get(lang, {})}
 
     def _evaluate(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not self._prepare(trainer, pl_module):
@@ -157,8 +180,11 @@ class RandomTwinNLL(L.Callback):
         log_metrics(trainer, metrics)
         self.verdicts = twin_verdicts(self.results, self.vocab_size, trainer.global_step,
                                       self.init_tolerance, self.learning_after_steps)
+        self.verdicts += baseline_verdicts({lang: r["trained"] for lang, r in self.results.items()},
+                                           self._baselines, trainer.global_step, self.learning_after_steps)
         for v in self.verdicts:
             rank_zero_warn(v)
 
     def metrics(self) -> dict[str, float]:
-        return twin_metrics(self.results, self.vocab_size)
+        trained = {lang: r["trained"] for lang, r in self.results.items()}
+        return {**twin_metrics(self.results, self.vocab_size), **baseline_metrics(trained, self._baselines)}

@@ -365,8 +365,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True,
                     help="CPU: also measure the peak memory of plain vs chunked loss (subprocesses)")
     ap.add_argument("--memory-model", default="25m", help="CPU memory check: preset (default 25m)")
-    ap.add_argument("--memory-seq-len", type=int, default=512)
-    ap.add_argument("--memory-batch-size", type=int, default=8)
+    ap.add_argument("--memory-seq-len", type=int, default=512, help="CPU memory check: sequence length (default 512)")
+    ap.add_argument("--memory-batch-size", type=int, default=8, help="CPU memory check: micro-batch size (default 8)")
     ap.add_argument("--memory-reps", type=int, default=2, help="alternated plain/chunked pairs")
     ap.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

@@ -1,12 +1,18 @@
 """Held-out NLL/token, bits/char and bits/byte of a checkpoint per language, against its random
-twin; optionally English multiple-choice accuracy (lm-eval-harness ``acc_norm`` scoring).
+twin and the run's unigram and bigram baselines, each with the contamination of that text by the
+training data; optionally multiple-choice accuracy (lm-eval-harness ``acc_norm`` scoring).
 
     python scripts/evaluate.py --checkpoint CKPT --text bn=FILE --text en=FILE [--json]
-                               [--twin/--no-twin] [--multiple-choice FILE]
+                               [--twin/--no-twin] [--multiple-choice FILE] [--run-dir DIR] [--no-contamination]
 
 A ``.txt`` file is one document per blank-line separated paragraph, a ``.jsonl`` file one
 ``{"text": ...}`` per line. Every document token and one end-of-document token per document are
-scored once, in windows of the training ``seq_len``. ``--json`` prints one JSON object keyed by
+scored once, in windows of the training ``seq_len``; the n-gram baselines score the same stream.
+The run directory (default: the checkpoint's ``<run dir>/checkpoints/..``) supplies the baselines
+(``baselines/ngram_<lang>.npz``, or counted from the run's training shards) and the cleaned
+training text the contamination is measured against: the share of the file's distinct 13-word
+n-grams found in training (``ngram_rate``) and of its documents contaminated by the run's
+decontamination rule (``contamination_rate``). ``--json`` prints one JSON object keyed by
 language, with top-level ``vocab_size`` (and ``multiple_choice`` when asked).
 """
 
@@ -22,10 +28,12 @@ import torch
 
 from bnlit.checkpointing import datamodule_state, load_model
 from bnlit.errors import BnlitError, ConfigError
-from bnlit.evaluation import evaluate_documents, read_documents, twin_model
+from bnlit.evaluation import EvalResult, evaluate_stream, read_documents, token_stream, twin_model
+from bnlit.ngram import BASELINES, count_shards, load_baselines
 
-RESERVED = ("vocab_size", "ln_vocab", "checkpoint", "step", "seq_len", "multiple_choice")
+RESERVED = ("vocab_size", "ln_vocab", "checkpoint", "step", "seq_len", "multiple_choice", "run_dir", "baselines")
 FIELDS = ("nll_per_token", "perplexity", "bits_per_char", "bits_per_byte")
+BASELINE_FIELDS = ("nll_per_token", "bits_per_char", "bits_per_byte")
 
 
 def parse_text(specs: list[str]) -> dict[str, Path]:
@@ -40,6 +48,59 @@ def parse_text(specs: list[str]) -> dict[str, Path]:
     return out
 
 
+def find_run_dir(checkpoint: Path, run_dir: Path | None) -> Path | None:
+    """The training run a checkpoint came from: ``--run-dir``, else ``<run dir>/checkpoints/x.ckpt``'s
+    grandparent when it looks like a bnlit run (a data report, baselines or a Hydra config)."""
+    if run_dir is not None:
+        if not run_dir.is_dir():
+            raise ConfigError(f"--run-dir {run_dir}: no such directory; pass the training run's output directory")
+        return run_dir
+    cand = checkpoint.resolve().parent.parent
+    marks = ("data_report.json", "baselines", ".hydra")
+    return cand if any((cand / m).exists() for m in marks) else None
+
+
+def run_baselines(run_dir: Path | None, languages: list[str], eos_id: int, vocab_size: int) -> tuple[dict, str]:
+    """The run's n-gram counts for ``languages``, and where they came from."""
+    if run_dir is None:
+        return {}, "unknown training data (no run directory; pass --run-dir)"
+    counts = load_baselines(run_dir, languages)
+    if len(counts) == len(languages):
+        return counts, f"{run_dir}/baselines"
+    from bnlit.data.report import read_report
+    from bnlit.data.shards import load_index
+
+    report = read_report(run_dir) or {}
+    shard_dir = report.get("shard_dir")
+    if not shard_dir or not Path(shard_dir).is_dir():
+        return counts, f"{run_dir}/baselines" if counts else f"{run_dir}: no baselines/ and no training shards"
+    index = load_index(shard_dir)
+    if index["vocab_size"] != vocab_size:
+        return counts, f"training shards {shard_dir} are of another tokenizer"
+    counted = count_shards(shard_dir, index, eos_id, vocab_size)
+    counts |= {lang: counted[lang] for lang in languages if lang in counted and lang not in counts}
+    return counts, f"counted from {shard_dir}"
+
+
+def contamination(texts: list[str], run_dir: Path | None, name: str) -> dict:
+    """``check_against_training`` of ``texts`` (``ngram_rate``, ``contamination_rate``, ...), or
+    ``{"unknown": reason}`` when the run's training text is not available."""
+    if run_dir is None:
+        return {"unknown": "no run directory (pass --run-dir)"}
+    from bnlit.data.report import check_against_training
+    from bnlit.errors import DataError
+
+    try:
+        return check_against_training(texts, run_dir, name=name)
+    except DataError as e:
+        return {"unknown": str(e)}
+
+
+def score(model, stream, seq_len: int, batch_size: int, device, chars: int, nbytes: int) -> EvalResult:
+    nll, tokens = evaluate_stream(model, stream, seq_len, batch_size, device)
+    return EvalResult(nll, tokens, chars, nbytes)
+
+
 def evaluate(args: argparse.Namespace) -> dict:
     texts = parse_text(args.text or [])
     if not texts and not args.multiple_choice:
@@ -52,17 +113,30 @@ def evaluate(args: argparse.Namespace) -> dict:
     seq_len = args.seq_len or datamodule_state(ckpt).get("seq_len") or cfg.max_seq_len
     if not 0 < seq_len <= cfg.max_seq_len:
         raise ConfigError(f"--seq-len {seq_len}: must be in 1..{cfg.max_seq_len} (model.config.max_seq_len)")
+    run_dir = find_run_dir(args.checkpoint, args.run_dir)
     twin = twin_model(model, args.twin_seed, device=device) if args.twin else None
+    counts, source = run_baselines(run_dir, list(docs), tok.eos_id, cfg.vocab_size) if docs else ({}, "")
     out: dict = {"checkpoint": str(args.checkpoint), "step": ckpt.get("global_step"), "vocab_size": cfg.vocab_size,
-                 "ln_vocab": math.log(cfg.vocab_size), "seq_len": seq_len}
+                 "ln_vocab": math.log(cfg.vocab_size), "seq_len": seq_len,
+                 "run_dir": str(run_dir) if run_dir else None, "baselines": source}
     for lang, d in docs.items():
-        r = evaluate_documents(model, tok, d, seq_len, args.batch_size, device)
+        stream = token_stream(tok.encode_batch(d), tok.eos_id)
+        chars, nbytes = sum(len(x) for x in d), sum(len(x.encode("utf-8")) for x in d)
+        r = score(model, stream, seq_len, args.batch_size, device, chars, nbytes)
         row = {k: getattr(r, k) for k in FIELDS} | {"tokens": r.tokens, "chars": r.chars, "bytes": r.bytes,
                                                      "documents": len(d)}
         if twin is not None:
-            t = evaluate_documents(twin, tok, d, seq_len, args.batch_size, device)
+            t = score(twin, stream, seq_len, args.batch_size, device, chars, nbytes)
             row |= {f"twin_{k}": getattr(t, k) for k in FIELDS}
             row["nll_gap"] = t.nll_per_token - r.nll_per_token
+        if lang in counts:
+            for order, b in counts[lang].evaluate(stream, chars, nbytes).items():
+                row |= {f"{order}_{k}": getattr(b, k) for k in BASELINE_FIELDS}
+            row["learned_context"] = row["bigram_bits_per_char"] - r.bits_per_char
+        row["beats"] = {name: row[f"{name}_bits_per_char"] > r.bits_per_char
+                        for name in ("twin", *BASELINES) if f"{name}_bits_per_char" in row}
+        if args.contamination:
+            row["contamination"] = contamination(d, run_dir, f"--text {lang}")
         out[lang] = row
     if args.multiple_choice:
         from bnlit.multiple_choice import load_items, score_items
@@ -73,7 +147,19 @@ def evaluate(args: argparse.Namespace) -> dict:
         if twin is not None:
             scores["twin_acc_norm"] = score_items(twin, tok, items, seq_len)["acc_norm"]
         out["multiple_choice"] = {"file": str(args.multiple_choice), **scores}
+        if args.contamination:
+            out["multiple_choice"]["contamination"] = contamination(
+                [f"{it.context} {it.choices[it.label]}" for it in items], run_dir, "--multiple-choice")
     return out
+
+
+def contamination_note(c: dict | None) -> str:
+    if c is None:
+        return ""
+    if "unknown" in c:
+        return "contamination unknown"
+    return (f"{100 * c['ngram_rate']:.1f}% of 13-grams in training, "
+            f"{100 * c['contamination_rate']:.1f}% of docs contaminated")
 
 
 def format_report(res: dict) -> str:
@@ -81,20 +167,26 @@ def format_report(res: dict) -> str:
              f"(ln V = {res['ln_vocab']:.3f}), windows of {res['seq_len']} tokens"]
     langs = [k for k in res if k not in RESERVED]
     if langs:
-        twin = "twin_nll_per_token" in res[langs[0]]
-        head = f"{'lang':<6}{'docs':>6}{'tokens':>10}{'chars':>11}{'nll/tok':>9}{'ppl':>10}{'bits/char':>11}{'bits/byte':>11}"
-        lines.append(head + (f"{'twin nll':>10}{'twin b/c':>10}" if twin else ""))
+        head = f"{'lang':<6}{'model':<9}{'docs':>6}{'tokens':>10}{'chars':>11}{'nll/tok':>9}{'bits/char':>11}{'bits/byte':>11}"
+        lines.append(head + "  beaten by trained / contamination")
         for lang in langs:
             r = res[lang]
-            line = (f"{lang:<6}{r['documents']:>6}{r['tokens']:>10}{r['chars']:>11}{r['nll_per_token']:>9.4f}"
-                    f"{r['perplexity']:>10.2f}{r['bits_per_char']:>11.4f}{r['bits_per_byte']:>11.4f}")
-            if twin:
-                line += f"{r['twin_nll_per_token']:>10.4f}{r['twin_bits_per_char']:>10.4f}"
-            lines.append(line)
+            rows = [("trained", "")] + [(m, m + "_") for m in ("twin", *BASELINES) if f"{m}_nll_per_token" in r]
+            for name, p in rows:
+                beaten = "" if not p else ("yes" if r["beats"][name] else "NO")
+                note = contamination_note(r.get("contamination")) if name == "trained" else beaten
+                lines.append(f"{lang:<6}{name:<9}{r['documents']:>6}{r['tokens']:>10}{r['chars']:>11}"
+                             f"{r[p + 'nll_per_token']:>9.4f}{r[p + 'bits_per_char']:>11.4f}{r[p + 'bits_per_byte']:>11.4f}"
+                             f"  {note}")
+            if "learned_context" in r:
+                lines.append(f"{lang:<6}learned context (bigram - trained bits/char): {r['learned_context']:+.4f}")
+        if res["baselines"]:
+            lines.append(f"baselines: {res['baselines']}")
     if "multiple_choice" in res:
         m = res["multiple_choice"]
         lines.append(f"multiple choice {m['file']}: {m['n']} items, acc_norm {m['acc_norm']:.3f}, acc {m['acc']:.3f}, "
-                     f"chance {m['chance']:.3f}" + (f", twin acc_norm {m['twin_acc_norm']:.3f}" if "twin_acc_norm" in m else ""))
+                     f"chance {m['chance']:.3f}" + (f", twin acc_norm {m['twin_acc_norm']:.3f}" if "twin_acc_norm" in m else "")
+                     + (f"; {contamination_note(m['contamination'])}" if "contamination" in m else ""))
     return "\n".join(lines)
 
 
@@ -109,6 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--multiple-choice", type=Path, help='multiple-choice JSONL: {"context", "choices", "label"} per line')
     p.add_argument("--seq-len", type=int, help="window length (default: the training seq_len)")
     p.add_argument("--batch-size", type=int, default=8, help="windows scored per forward pass (default 8)")
+    p.add_argument("--run-dir", type=Path, help="the training run (default: the checkpoint's run directory)")
+    p.add_argument("--contamination", action=argparse.BooleanOptionalAction, default=True,
+                   help="measure each text's overlap with the run's training data (default: on)")
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     return p
 

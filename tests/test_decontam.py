@@ -48,3 +48,13 @@ def test_config_is_validated():
         DecontamConfig(mode="delete")
     with pytest.raises(ConfigError, match="unknown keys"):
         DecontamConfig.from_dict({"ngrams": 13})
+
+
+def test_share_of_ngrams_found_in_training():
+    # the evaluation set: one sentence of 15 words (3 13-grams), copied in training up to word 14
+    words = EVAL_SENTENCE.split()
+    assert len(words) == 15
+    r = contamination([EVAL_SENTENCE], [document(3) + " " + " ".join(words[:14])], ngram=13)
+    assert r["ngrams_in_training"] == 2 and r["ngram_rate"] == pytest.approx(2 / 3)
+    clean = contamination([EVAL_SENTENCE], [document(3)], ngram=13)
+    assert (clean["ngrams_in_training"], clean["ngram_rate"]) == (0, 0.0)

@@ -92,3 +92,50 @@ def test_save_load_and_shard_streams(tmp_path):
     streams = training_streams(tmp_path, index, eos_id=0)
     assert streams["bn"].tolist() == STREAM.tolist()
     assert streams["en"].tolist() == [0, 4, 0]
+
+
+def test_verdicts_and_summary_line():
+    from bnlit.evaluation import EvalResult
+    from bnlit.ngram import baseline_verdicts, beaten, summary_line
+
+    ln2 = math.log(2)
+    bpc = lambda b: EvalResult(b * ln2 * 100, 50, 100, 300)  # noqa: E731  (b bits/char over 100 chars)
+    base = {"twin": bpc(4.0), "unigram": bpc(3.2), "bigram": bpc(2.7)}
+    assert beaten(bpc(3.0), base) == {"twin": True, "unigram": True, "bigram": False}
+    assert summary_line("bn", bpc(3.0), base) == \
+        "bn: trained 3.000 bits/char; beat twin (4.000) yes, unigram (3.200) yes, bigram (2.700) NO"
+    only = {"bn": {"unigram": bpc(3.2), "bigram": bpc(2.7)}}
+    assert baseline_verdicts({"bn": bpc(3.0)}, only, step=500, learning_after_steps=100) == []
+    assert baseline_verdicts({"bn": bpc(3.5)}, only, step=50, learning_after_steps=100) == []
+    (msg,) = baseline_verdicts({"bn": bpc(3.5)}, only, step=100, learning_after_steps=100)
+    assert msg.startswith("baseline/bn: after 100 steps the trained model's 3.500 bits/char is not below "
+                          "the add-one unigram's 3.200")
+
+
+def test_chunked_shard_counts_equal_whole_stream_counts(tmp_path):
+    from bnlit.ngram import count_languages, count_shards
+
+    rng = np.random.default_rng(0)
+    index = {"dtype": "uint16", "sources": {}}
+    for name, lang, n in (("a", "bn", 37), ("b", "bn", 23), ("c", "en", 11)):
+        arr = rng.integers(0, 6, n).astype(np.uint16)
+        arr[-1] = 0  # every shard ends a document
+        (tmp_path / f"{name}.train.bin").write_bytes(arr.tobytes())
+        index["sources"][name] = {"language": lang, "train": {"file": f"{name}.train.bin", "tokens": n}}
+    whole = count_languages(training_streams(tmp_path, index, eos_id=0), 6)
+    chunked = count_shards(tmp_path, index, eos_id=0, vocab_size=6, chunk_tokens=4)
+    for lang in ("bn", "en"):
+        for k in ("unigram", "bigram_keys", "bigram_counts"):
+            np.testing.assert_array_equal(getattr(chunked[lang], k), getattr(whole[lang], k))
+    capped = count_shards(tmp_path, index, eos_id=0, vocab_size=6, chunk_tokens=4, max_tokens=10)
+    assert capped["bn"].tokens == 10 and capped["en"].tokens == 10
+
+
+def test_no_singletons_still_leaves_mass_for_unseen_tokens():
+    # every token has two distinct predecessors: N1+(. w) has no singleton, the estimate would be 0
+    stream = np.array([0, 1, 2, 1, 0, 2, 0, 1, 0, 2, 1, 2])
+    c = NgramCounts.from_stream(stream, 5)
+    n_prev = np.bincount(c.bigram_keys % 5, minlength=5)
+    assert not np.any(n_prev == 1)
+    assert discount(n_prev[n_prev > 0]) == 0.5
+    assert np.isfinite(c.bigram_logprob(np.array([1, 4]), np.array([4, 4]))).all()

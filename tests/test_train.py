@@ -70,7 +70,7 @@ def test_run_dir_with_another_runs_checkpoints_is_refused(make_cfg, tmp_path):
 
 
 def test_ckpt_path_last_without_checkpoints(make_cfg):
-    with pytest.raises(CheckpointError, match="ckpt_path=last: no checkpoint"):
+    with pytest.raises(CheckpointError, match="ckpt_path=last: no complete checkpoint"):
         train(make_cfg("ckpt_path=last"))
 
 

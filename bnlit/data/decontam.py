@@ -95,10 +95,20 @@ class EvalSet:
     train_docs_hit: int = 0  # training documents contaminated by this set
     train_chars_hit: int = 0
     train_docs_touched: int = 0  # training documents sharing any n-gram with this set
+    found: list = field(default_factory=list)  # arrays of this set's n-gram hashes seen in training
+
+    def ngrams_found(self) -> tuple[int, int]:
+        """(distinct n-grams of this set found in training, distinct n-grams of this set)."""
+        distinct = np.unique(self.hashes)
+        if not self.found or distinct.size == 0:
+            return 0, int(distinct.size)
+        return int(np.isin(distinct, np.concatenate(self.found)).sum()), int(distinct.size)
 
     def summary(self) -> dict:
         checked = self.docs - self.too_short
+        found, distinct = self.ngrams_found()
         return {"docs": self.docs, "too_short": self.too_short, "ngrams": int(self.hashes.size),
+                "ngrams_in_training": found, "ngram_rate": found / distinct if distinct else 0.0,
                 "eval_docs_contaminated": len(self.hit_docs),
                 "contamination_rate": len(self.hit_docs) / checked if checked else 0.0,
                 "eval_docs_touched": len(self.touched_docs),
@@ -164,8 +174,8 @@ class Decontaminator:
 
     def matches(self, ws: list[str]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         """Per evaluation set, (indices of its documents sharing any n-gram with the training words
-        ``ws``, indices of those reaching ``min_overlap``); sets without a shared n-gram are left
-        out."""
+        ``ws``, indices of those reaching ``min_overlap``, the shared n-gram hashes); sets without
+        a shared n-gram are left out."""
         h = ngram_hashes(ws, self.n)
         out = {}
         if h.size == 0:
@@ -181,15 +191,16 @@ class Decontaminator:
                 owners = np.concatenate([s.owners[a:b] for a, b in zip(lo[hit], hi[hit])])
                 docs, shared = np.unique(owners, return_counts=True)
                 over = shared >= np.maximum(1, self.min_overlap * s.doc_ngrams[docs])
-                out[name] = (docs, docs[over])
+                out[name] = (docs, docs[over], h[hit])
         return out
 
     def record(self, found: dict, n_chars: int) -> list[str]:
         """Count one training document's :meth:`matches`; return the sets it is contaminated
         with."""
-        for name, (any_owners, hit_owners) in found.items():
+        for name, (any_owners, hit_owners, shared) in found.items():
             self.sets[name].record(any_owners, hit_owners, n_chars)
-        return sorted(name for name, (_, hit) in found.items() if hit.size)
+            self.sets[name].found.append(shared)
+        return sorted(name for name, (_, hit, _) in found.items() if hit.size)
 
     def check(self, text: str, ws: list[str] | None = None) -> list[str]:
         """The evaluation sets ``text`` (a training document) is contaminated with; counted."""

@@ -1,0 +1,102 @@
+"""``DeadVocabulary``: at the end of training, the tokenizer pieces the model never trained on.
+
+Two lists (:mod:`bnlit.dead_vocabulary`): pieces that never occur in the training shards, and
+pieces whose embedding row was never looked up by a training batch, so never received an
+input-side gradient (tracked here on the device, one scatter per batch, no host sync). The
+report goes to the log, ``vocab/`` metrics, the table ``vocab/dead`` and
+``<run dir>/dead_vocabulary.json`` (every id)."""
+
+from __future__ import annotations
+
+import logging
+
+import lightning as L
+import numpy as np
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+
+from bnlit.dead_vocabulary import dead_vocabulary, format_report
+from bnlit.errors import ConfigError
+from bnlit.run_report import log_table, run_dir, write_json_atomic
+
+log = logging.getLogger(__name__)
+REPORT_FILE = "dead_vocabulary.json"
+
+
+def training_counts(datamodule, chunk_tokens: int = 1 << 24) -> dict[str, np.ndarray]:
+    """Per language, how often each token id occurs in the training shards (read in chunks)."""
+    from bnlit.data.shards import read_tokens
+
+    V = datamodule.tokenizer.vocab_size
+    out: dict[str, np.ndarray] = {}
+    for name, entry in datamodule.index["sources"].items():
+        counts = out.setdefault(entry["language"], np.zeros(V, dtype=np.int64))
+        tokens = read_tokens(datamodule.shard_dir, datamodule.index, name, "train")
+        for start in range(0, len(tokens), chunk_tokens):
+            counts += np.bincount(np.asarray(tokens[start:start + chunk_tokens], dtype=np.int64), minlength=V)
+    return out
+
+
+class DeadVocabulary(L.Callback):
+    """Args:
+    sample: pieces named in the log and the table per list.
+    track_inputs: also track which embedding rows training batches looked up.
+    """
+
+    def __init__(self, sample: int = 20, track_inputs: bool = True):
+        if sample < 0:
+            raise ConfigError(f"callbacks.dead_vocabulary.sample={sample}: must be >= 0")
+        self.sample, self.track_inputs = sample, track_inputs
+        self.looked_up: torch.Tensor | None = None
+        self.report: dict | None = None
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.track_inputs and (self.looked_up is None or self.looked_up.device != pl_module.device):
+            V = pl_module.model.config.vocab_size
+            prev = self.looked_up
+            self.looked_up = torch.zeros(V, dtype=torch.bool, device=pl_module.device)
+            if prev is not None:
+                self.looked_up |= prev.to(pl_module.device)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.looked_up is not None:
+            self.looked_up[batch[0].reshape(-1)] = True
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        dm = trainer.datamodule
+        if dm is None or getattr(dm, "shard_dir", None) is None:
+            return
+        looked_up = self.looked_up
+        if looked_up is not None and trainer.world_size > 1:
+            looked_up = trainer.strategy.reduce(looked_up.to(torch.int32), reduce_op="sum") > 0
+        if not trainer.is_global_zero:
+            return
+        counts = training_counts(dm)
+        seen = looked_up.cpu().numpy() if looked_up is not None else None
+        self.report = dead_vocabulary(dm.tokenizer, counts, seen, self.sample)
+        rank_zero_info(format_report(self.report))
+        write_json_atomic(run_dir(trainer) / REPORT_FILE, self.report)
+        metrics = {"vocab/never_in_training": self.report["never_in_training"]["pieces"],
+                   "vocab/never_in_training_share": self.report["never_in_training"]["pieces_share"]}
+        if seen is not None:
+            metrics |= {"vocab/never_looked_up": self.report["never_looked_up"]["pieces"],
+                        "vocab/never_looked_up_share": self.report["never_looked_up"]["pieces_share"]}
+        for k, v in metrics.items():
+            trainer.callback_metrics[k] = torch.tensor(float(v))
+        for lg in trainer.loggers:
+            lg.log_metrics(metrics, step=trainer.global_step)
+        rows = []
+        for key in ("never_in_training", "never_looked_up"):
+            r = self.report.get(key)
+            if r is not None:
+                rows.append([key, r["pieces"], r["pieces_share"], r["by_kind"]["byte"], r["by_kind"]["special"],
+                             ", ".join(f"{k} {v}" for k, v in r["by_language"].items()), " ".join(r["sample"])])
+        log_table(trainer, "vocab/dead", ["list", "pieces", "share", "byte_pieces", "special_pieces",
+                                          "by_script", "sample"], rows)
+
+    def state_dict(self) -> dict:
+        return {"looked_up": self.looked_up.cpu()} if self.looked_up is not None else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "looked_up" in state:
+            self.looked_up = state["looked_up"]
