@@ -14,7 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from bnlit.checkpoint import load_model
+from bnlit.checkpointing import load_model
 from bnlit.errors import BnlitError
 from bnlit.export import GGUF_TYPES, export_gguf
 
