@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -225,3 +226,40 @@ def test_llama_cpp_logits_and_greedy_generation_match_bnlit(tokenizer, tmp_path,
                 want = generate(model, ids, 16, temperature=0.0)
                 assert lm.generate_greedy(ids, 16) == want
                 assert len(set(want)) > 1, "a degenerate continuation would not test much"
+
+
+@pytest.mark.slow
+def test_a_runs_checkpoint_exports_and_scores_the_same_in_llama_cpp(make_cfg, tmp_path, capsys, llama_cpp):
+    """The real pipeline (tokenizer trained on the embedded corpus, a few steps of the tiny
+    preset): the CLI's GGUF tokenizes the run's held-out text as bnlit does, generates the same
+    greedy tokens (f32), and ``evaluate.py --gguf`` scores f32 like the checkpoint and q8_0 within 1%."""
+    from test_export import script
+
+    from bnlit.checkpoint import load_model
+    from bnlit.serving import LlamaCppLM
+    from bnlit.train import train
+
+    cfg = make_cfg("callbacks.random_twin.max_tokens=400")
+    train(cfg)
+    ckpt = Path(cfg.paths.checkpoint_dir) / "last.ckpt"
+    model, tok, _ = load_model(ckpt)
+    files = {kind: tmp_path / f"run.{kind}.gguf" for kind in ("f32", "q8_0")}
+    for kind, out in files.items():
+        assert script("export_gguf").main(["--checkpoint", str(ckpt), "--out", str(out), "--type", kind]) == 0
+    capsys.readouterr()
+    with LlamaCppLM(files["f32"]) as lm:
+        ids = tok.encode(PROMPT)
+        assert lm.generate_greedy(ids, 16) == generate(model, ids, 16, temperature=0.0)
+    assert script("export_gguf").main(["--checkpoint", str(ckpt), "--out", str(files["f32"])]) == 2
+    assert "already exists" in capsys.readouterr().err
+
+    args = ["--checkpoint", str(ckpt), "--held-out", "bn", "--no-twin", "--no-contamination", "--json"]
+    assert script("evaluate").main([*args, "--gguf", str(files["f32"]), "--gguf", str(files["q8_0"])]) == 0
+    bn = json.loads(capsys.readouterr().out)["bn"]
+    assert bn["documents"] > 0 and bn["tokens"] > 1000
+    f32, q8 = bn["gguf"][str(files["f32"])], bn["gguf"][str(files["q8_0"])]
+    assert f32["same_tokens"] and q8["same_tokens"] and f32["type"] == "f32" and q8["type"] == "q8_0"
+    assert abs(f32["bits_per_char_vs_trained"]) < 1e-5
+    assert abs(q8["bits_per_char_vs_trained"]) < 0.01
+    assert script("evaluate").main([*args, "--gguf", str(tmp_path / "nope.gguf")]) == 2
+    assert "nope.gguf: no such file" in capsys.readouterr().err

@@ -177,3 +177,22 @@ def check_against_training(eval_texts, run_dir: str | os.PathLike, ngram: int | 
     out = contamination((normalize_text(t) for t in eval_texts), train, ngram or dc.get("ngram", 13),
                         dc.get("min_overlap", 0.05) if min_overlap is None else min_overlap, name)
     return dict(out, checked_against=report["clean_dir"])
+
+
+def held_out_documents(run_dir: str | os.PathLike, language: str) -> list[str]:
+    """The run's validation documents of ``language`` (every source of it), read back from its
+    cleaning cache: the text its ``val`` shards encode, in source order."""
+    from bnlit.data.pipeline import read_clean
+    from bnlit.data.shards import is_validation
+    from bnlit.errors import DataError
+
+    report = read_report(run_dir)
+    if report is None or not report.get("clean_dir") or not Path(report["clean_dir"]).is_dir():
+        raise DataError(f"{run_dir}: no data report with a cleaning cache to read the held-out text from; "
+                        "pass the text with --text LANG=FILE instead")
+    names = [n for n, s in report["sources"].items() if s.get("language") == language]
+    if not names:
+        langs = sorted({s.get("language") for s in report["sources"].values()})
+        raise DataError(f"--held-out {language}: the run has no {language} source (it has {', '.join(langs)})")
+    frac = report["val_fraction"]
+    return [t for n in names for t in read_clean(report["clean_dir"], n) if is_validation(t, frac)]
