@@ -235,7 +235,7 @@ def test_a_runs_checkpoint_exports_and_scores_the_same_in_llama_cpp(make_cfg, tm
     greedy tokens (f32), and ``evaluate.py --gguf`` scores f32 like the checkpoint and q8_0 within 1%."""
     from test_export import script
 
-    from bnlit.checkpoint import load_model
+    from bnlit.checkpointing import load_model
     from bnlit.serving import LlamaCppLM
     from bnlit.train import train
 
