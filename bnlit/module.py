@@ -209,6 +209,11 @@ class LMModule(L.LightningModule):
             losses = torch.stack([l for l, _ in self._val_losses])
             weights = torch.tensor([n for _, n in self._val_losses], device=losses.device, dtype=losses.dtype)
             self.log("val/loss", (losses * weights).sum() / weights.sum(), prog_bar=True)
+        # One step convention for every metric: the optimizer steps completed when the value was
+        # measured. Lightning logs an in-fit validation at its count of steps before the current
+        # one (49 after 50 steps), while the twin, baselines and plots use trainer.global_step
+        # (50); a logged "step" is the x value Lightning hands the loggers instead.
+        self.log("step", float(self.global_step))
         self._val_losses = []
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
