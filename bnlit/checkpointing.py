@@ -1,4 +1,24 @@
-"""Checkpoint hygiene and interrupt-safe stops.
+"""Everything about checkpoints: what one holds, how it is written, read, validated and resumed.
+
+A bnlit checkpoint is a Lightning checkpoint (weights, optimizer and scheduler states, loop
+counters) plus two entries of our own:
+
+- ``model_config``: the :class:`~bnlit.model.ModelConfig` fields, written by
+  ``LMModule.on_save_checkpoint``; :func:`check_resume` compares every field with the configured
+  model before a resume.
+- the data module's state, which Lightning stores under the data module class's ``__qualname__``
+  (:func:`datamodule_key`): the tokenizer's bytes, the sampler position and every rank's RNG
+  states. ``BnDataModule.state_dict``/``load_state_dict`` write and restore it; the sampler maths
+  lives with the sampler in :mod:`bnlit.data.dataset` (``resume_start``).
+
+Writes are atomic (:class:`AtomicCheckpointIO`); reads use ``weights_only=True`` and fail in one
+line naming the file (:func:`read_checkpoint`, :func:`load_model`); the resume policy
+(:func:`resolve_ckpt_path`, :func:`prepare_resume`) refuses a fresh run over old checkpoints,
+a missing file or a model of another shape before anything expensive starts.
+
+Hygiene and interrupt-safe stops:
+
+Checkpoint hygiene and interrupt-safe stops.
 
 - ``ckpt_path=last`` resumes from the newest *complete* checkpoint by its ``global_step``, not by
   file name or mtime (:func:`newest_checkpoint`); a file that does not open is skipped.
@@ -14,19 +34,30 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import errno
 import logging
 import os
+import pickle
 import signal
 import subprocess
 import threading
-from collections.abc import Callable, Iterable
+import zipfile
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 import torch.distributed as dist
+from hydra.utils import get_class
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.strategies import Strategy, StrategyRegistry
 
-from bnlit.errors import ConfigError
+from bnlit.errors import CheckpointError, ConfigError
+from bnlit.evaluation import empty_transformer
+from bnlit.model import ModelConfig, Transformer
+from bnlit.tokenizer import Tokenizer
 
 log = logging.getLogger("bnlit")
 
@@ -36,7 +67,7 @@ LAST = "last.ckpt"
 
 
 def tmp_name(path: Path) -> Path:
-    """Where :class:`~bnlit.ckpt_io.AtomicCheckpointIO` writes ``path`` before renaming it."""
+    """Where :class:`AtomicCheckpointIO` writes ``path`` before renaming it."""
     return path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}")
 
 
@@ -243,3 +274,221 @@ def requeue_slurm_job(run: Callable[..., Any] = subprocess.call) -> bool:
     ok = run(["scontrol", "requeue", job]) == 0
     log.info("scontrol requeue %s: %s", job, "requeued" if ok else "refused")
     return ok
+
+
+MODEL_PREFIX = "model."  # LMModule holds the transformer as self.model
+# ModelConfig fields a resume may change: a label and an init-only scale; every other field
+# (including ones added later) must match the checkpoint's
+RESUME_MAY_DIFFER = frozenset({"name", "init_std"})
+
+
+# -- writing ------------------------------------------------------------------------------------
+
+def _fsync_dir(directory: Path) -> None:
+    with contextlib.suppress(OSError):  # not every filesystem lets a directory be opened
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """``TorchCheckpointIO`` with write-then-rename saves and ``weights_only`` loads.
+
+    A save serializes to a temporary file in the target directory, fsyncs it, ``os.replace``-s it
+    over the target and fsyncs the directory: a process killed or a disk that fills up mid-save
+    leaves the previous ``last.ckpt`` untouched (Lightning's own ``_atomic_save`` writes into the
+    final path and can leave a truncated file behind)."""
+
+    def __init__(self):
+        super().__init__()
+        self._preloaded: dict[str, dict[str, Any]] = {}
+
+    def preload(self, path, checkpoint: dict[str, Any]) -> None:
+        """Hand over a checkpoint the caller already read (and validated): the next
+        ``load_checkpoint(path)`` returns it, and drops it, instead of reading the file again."""
+        self._preloaded[str(path)] = checkpoint
+
+    def _serialize(self, checkpoint: dict[str, Any], f: IO[bytes]) -> None:
+        torch.save(checkpoint, f)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} does not take storage_options")
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = tmp_name(path)
+        try:
+            with open(tmp, "wb") as f:
+                self._serialize(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            hint = "free disk space or point paths.checkpoint_dir elsewhere" if e.errno == errno.ENOSPC else "check the directory"
+            raise CheckpointError(f"cannot write checkpoint {path}: {e.strerror or e}; {hint} "
+                                  "(the previous checkpoint is intact)") from None
+        _fsync_dir(path.parent)
+        log.debug("saved checkpoint %s", path)
+
+    def load_checkpoint(self, path, map_location: Callable | Any = None, weights_only: bool | None = True) -> dict[str, Any]:
+        cached = self._preloaded.pop(str(path), None)
+        if cached is not None:
+            return cached
+        return super().load_checkpoint(path, map_location=map_location or "cpu",
+                                       weights_only=True if weights_only is None else weights_only)
+
+
+# -- reading and validating -----------------------------------------------------------------------
+
+def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """Load a bnlit/Lightning checkpoint on the CPU with ``weights_only=True``.
+
+    Raises:
+        CheckpointError: one line naming the file and the fix, when the file is missing,
+            truncated or corrupt, or is not a bnlit checkpoint (no ``state_dict``/``model_config``).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist; pass the last.ckpt or step*.ckpt "
+                              "of a bnlit.train run (paths.checkpoint_dir)")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, OSError, ValueError) as e:
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0].split(". ")[0]
+        raise CheckpointError(f"checkpoint {path} is truncated or corrupt ({reason[:120]}); "
+                              "use an earlier step*.ckpt or retrain") from None
+    if not isinstance(ckpt, dict) or "state_dict" not in ckpt or "model_config" not in ckpt:
+        have = sorted(ckpt)[:8] if isinstance(ckpt, dict) else type(ckpt).__name__
+        raise CheckpointError(f"checkpoint {path} is not a bnlit training checkpoint (no state_dict/"
+                              f"model_config; has {have}); pass a last.ckpt or step*.ckpt written by bnlit.train")
+    return ckpt
+
+
+def datamodule_key() -> str:
+    """Where Lightning puts the data module's ``state_dict()``: its class's ``__qualname__``."""
+    from bnlit.data.datamodule import BnDataModule  # deferred: the data module imports this module
+
+    return BnDataModule.__qualname__
+
+
+def datamodule_state(ckpt: dict[str, Any]) -> dict[str, Any]:
+    """The data module's entry of a checkpoint (empty when it has none)."""
+    return ckpt.get(datamodule_key()) or {}
+
+
+def model_state(ckpt: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The transformer's weights: the ``model.``-prefixed entries of the Lightning ``state_dict``,
+    with the prefix (and ``torch.compile``'s ``_orig_mod.``, if any) removed."""
+    out = {}
+    for k, v in ckpt["state_dict"].items():
+        if k.startswith(MODEL_PREFIX):
+            out[k[len(MODEL_PREFIX):].replace("_orig_mod.", "")] = v
+    return out
+
+
+def checkpoint_tokenizer(ckpt: dict[str, Any], path: str | os.PathLike = "<checkpoint>") -> Tokenizer:
+    model_bytes = datamodule_state(ckpt).get("tokenizer_model")
+    if not model_bytes:
+        raise CheckpointError(f"checkpoint {path} carries no tokenizer ({datamodule_key()}.tokenizer_model); "
+                              f"it was not written by a bnlit.train run with {datamodule_key()}")
+    return Tokenizer(bytes(model_bytes))
+
+
+def load_model(path: str | os.PathLike) -> tuple[Transformer, Tokenizer, dict[str, Any]]:
+    """Rebuild the trained transformer (eval mode, fp32, CPU), its tokenizer and the raw checkpoint."""
+    ckpt = read_checkpoint(path)
+    try:
+        cfg = ModelConfig(**ckpt["model_config"])
+    except TypeError as e:
+        raise CheckpointError(f"checkpoint {path}: model_config does not match this bnlit's ModelConfig ({e}); "
+                              "use the bnlit version that wrote it") from None
+    model = empty_transformer(cfg)  # no init drawn: every weight comes from the file
+    missing, unexpected = model.load_state_dict(model_state(ckpt), strict=False)
+    if missing or unexpected:
+        raise CheckpointError(f"checkpoint {path}: weights do not fit model_config {cfg.name} "
+                              f"(missing {missing[:4]}, unexpected {unexpected[:4]}); the file is not from this model")
+    tokenizer = checkpoint_tokenizer(ckpt, path)
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise CheckpointError(f"checkpoint {path}: tokenizer has {tokenizer.vocab_size} tokens but the model "
+                              f"only {cfg.vocab_size}; the checkpoint's tokenizer and model disagree")
+    model.float().eval()
+    return model, tokenizer, ckpt
+
+
+# -- the resume policy ------------------------------------------------------------------------------
+
+def resolve_ckpt_path(ckpt_path: str | None, checkpoint_dir: Path, overwrite: bool) -> str | None:
+    """``None``: a fresh run, refused if the run dir already holds checkpoints (unless
+    ``overwrite``), except in a requeued SLURM job, which resumes; ``"last"``: the complete
+    checkpoint of this run dir with the highest step; else an existing file."""
+    existing = sorted(checkpoint_dir.glob("*.ckpt")) if checkpoint_dir.is_dir() else []
+    if ckpt_path is None and existing and requeued_slurm_job() and not overwrite:
+        log.info("requeued SLURM job (SLURM_RESTART_COUNT=%s): resuming from %s",
+                 os.environ.get("SLURM_RESTART_COUNT"), checkpoint_dir)
+        ckpt_path = "last"
+    if ckpt_path is None:
+        if existing and not overwrite:
+            raise CheckpointError(f"{checkpoint_dir} already holds checkpoints of another run; resume with "
+                                  "ckpt_path=last, choose a new hydra.run.dir, or pass overwrite=true")
+        return None
+    if ckpt_path == "last":
+        newest = newest_checkpoint(checkpoint_dir)
+        if newest is not None:
+            return str(newest)
+        torn = f" ({len(existing)} .ckpt files do not open: truncated or corrupt)" if existing else ""
+        raise CheckpointError(f"ckpt_path=last: no complete checkpoint in {checkpoint_dir}{torn}; "
+                              "set hydra.run.dir to the run you want to resume")
+    if not Path(ckpt_path).is_file():
+        raise CheckpointError(f"ckpt_path={ckpt_path}: no such file; pass an existing .ckpt or ckpt_path=last")
+    return ckpt_path
+
+
+def check_resume(model_config: ModelConfig, ckpt_path: str, checkpoint: dict) -> None:
+    """Refuse, in one line, a checkpoint whose model differs from the configured one in any
+    :class:`~bnlit.model.ModelConfig` field but those in :data:`RESUME_MAY_DIFFER`."""
+    saved = checkpoint["model_config"]  # read_checkpoint made sure it is there
+    want = model_config.to_dict()  # with the dataclass defaults filled in
+    fields = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in RESUME_MAY_DIFFER]
+    diff = [f"{k}={saved.get(k)} (config: {want.get(k)})" for k in fields if saved.get(k) != want.get(k)]
+    if diff:
+        raise CheckpointError(f"ckpt_path={ckpt_path} holds a {saved.get('name')} model of another shape: "
+                              f"{', '.join(diff)}; resume with model={saved.get('name')} or start a fresh run")
+
+
+def strategy_class(strategy: Any) -> type[Strategy]:
+    """The Lightning strategy class a ``trainer.strategy`` setting will build: an instance, a
+    Hydra node with ``_target_``, or a registered name (``ddp``, ``fsdp``, ...). ``auto`` and
+    unknown names give :class:`Strategy` (Lightning then picks a single-device or DDP strategy)."""
+    if isinstance(strategy, Strategy):
+        return type(strategy)
+    if isinstance(strategy, Mapping) and "_target_" in strategy:
+        return get_class(strategy["_target_"])
+    if isinstance(strategy, str) and strategy in StrategyRegistry:
+        return StrategyRegistry[strategy]["strategy"]
+    return Strategy
+
+
+def loads_through_checkpoint_io(strategy: Any) -> bool:
+    """Whether the strategy reads a checkpoint file through its ``CheckpointIO`` (so a
+    preloaded checkpoint is used), rather than its own ``load_checkpoint`` (FSDP, DeepSpeed)."""
+    return strategy_class(strategy).load_checkpoint is Strategy.load_checkpoint
+
+
+def prepare_resume(ckpt_path: str | None, checkpoint_dir: Path, overwrite: bool, model_config: ModelConfig,
+                   strategy: Any) -> tuple[str | None, AtomicCheckpointIO]:
+    """The resume policy, applied before any expensive work: the checkpoint to resume from (or
+    ``None``), read and validated against ``model_config``, and the run's CheckpointIO. The
+    checkpoint is handed to that CheckpointIO when the strategy loads through it, so Lightning
+    reads the file once; otherwise (FSDP loads files itself) no reference to it is kept."""
+    ckpt_path = resolve_ckpt_path(ckpt_path, checkpoint_dir, overwrite)
+    ckpt_io = AtomicCheckpointIO()
+    if ckpt_path is not None:
+        checkpoint = read_checkpoint(ckpt_path)
+        check_resume(model_config, ckpt_path, checkpoint)
+        if loads_through_checkpoint_io(strategy):
+            ckpt_io.preload(ckpt_path, checkpoint)
+    return ckpt_path, ckpt_io

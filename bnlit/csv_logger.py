@@ -1,7 +1,7 @@
 """Lightning's ``CSVLogger`` with a resumable ``metrics.csv``. Lightning deletes the file when a
 logger opens a directory that holds one, so a resumed run lost every row of the run before
 the interruption. This one keeps them and drops only a row torn by a kill mid-write. Steps after
-the checkpoint are logged again by the resumed run; ``bnlit.summary.read_metrics`` keeps the last
+the checkpoint are logged again by the resumed run; ``bnlit.run_report.read_metrics`` keeps the last
 value of a step."""
 
 from __future__ import annotations

@@ -188,6 +188,85 @@ def twin_model(model_or_cfg: nn.Module | ModelConfig, seed: int = 0, device: tor
     return twin.to(device).eval()
 
 
+# -- the random twin: slices, verdicts, metrics and table (bnlit.callbacks.random_twin is the adapter)
+
+def documents_prefix(tokens: np.ndarray, eos_id: int, max_tokens: int | None) -> tuple[np.ndarray, bool]:
+    """The longest run of whole documents (each ending in ``eos``) within ``max_tokens`` of a
+    held-out stream, and whether that is the whole stream. When even the first document is
+    longer, its first ``max_tokens`` tokens."""
+    tokens = np.asarray(tokens)
+    if max_tokens is None or len(tokens) <= max_tokens:
+        return tokens, True
+    ends = np.flatnonzero(tokens[:max_tokens] == eos_id)
+    cut = int(ends[-1]) + 1 if ends.size else max_tokens
+    return tokens[:cut], False
+
+
+def text_size(tokens: np.ndarray, tokenizer, eos_id: int) -> tuple[int, int]:
+    """Characters and UTF-8 bytes of the text that ``tokens`` decode to (documents split at eos)."""
+    ids = np.asarray(tokens).tolist()
+    chars = nbytes = 0
+    start = 0
+    for i, t in enumerate(ids + [eos_id]):
+        if t == eos_id:
+            if i > start:
+                text = tokenizer.decode(ids[start:i])
+                chars, nbytes = chars + len(text), nbytes + len(text.encode("utf-8"))
+            start = i + 1
+    return chars, nbytes
+
+
+def twin_verdicts(results: dict[str, dict[str, EvalResult]], vocab_size: int, step: int,
+                  init_tolerance: float, learning_after_steps: int) -> list[str]:
+    """Warnings: a twin further than ``init_tolerance`` (relative) from ln(V), and a trained model
+    not below its twin once ``step >= learning_after_steps``."""
+    out, ln_v = [], uniform_nll(vocab_size)
+    for lang, r in results.items():
+        twin = r["twin"].nll_per_token
+        if abs(twin / ln_v - 1.0) > init_tolerance:
+            out.append(f"twin/{lang}: the randomly initialised twin has NLL {twin:.3f}/token, "
+                       f"{twin / ln_v:.2f}x ln(V)={ln_v:.3f} (tolerance {init_tolerance:.0%}); the init is "
+                       "not near-uniform: check model.config.init_std and the residual scaling")
+        trained = r.get("trained")
+        if trained is not None and step >= learning_after_steps and not trained.nll_per_token < twin:
+            out.append(f"twin/{lang}: after {step} steps the trained model's NLL {trained.nll_per_token:.3f}/token "
+                       f"is not below its random twin's {twin:.3f}; the run is not learning "
+                       "(check optimizer.lr, the data and grad/ metrics)")
+    return out
+
+
+def format_twin_table(results: dict[str, dict[str, EvalResult]], vocab_size: int, step: int) -> str:
+    """The trained-vs-twin table as fixed-width text."""
+    head = (f"{'lang':<6}{'tokens':>9}{'chars':>10}{'trained nll/tok':>17}{'twin nll/tok':>14}"
+            f"{'gap':>8}{'trained bits/char':>19}{'twin bits/char':>16}")
+    lines = [f"random twin (step {step}, vocab {vocab_size}, ln(V)={uniform_nll(vocab_size):.3f}):", head]
+    for lang, r in results.items():
+        t, w = r["trained"], r["twin"]
+        lines.append(f"{lang:<6}{t.tokens:>9}{t.chars:>10}{t.nll_per_token:>17.4f}{w.nll_per_token:>14.4f}"
+                     f"{w.nll_per_token - t.nll_per_token:>8.3f}{t.bits_per_char:>19.4f}{w.bits_per_char:>16.4f}")
+    return "\n".join(lines)
+
+
+def twin_metrics(results: dict[str, dict[str, EvalResult]], vocab_size: int) -> dict[str, float]:
+    """The ``twin/`` metrics of trained-vs-twin results (``{lang: {"trained", "twin"}}``); NaNs
+    (a slice without bytes or characters) are left out."""
+    ln_v = uniform_nll(vocab_size)
+    out = {}
+    for lang, r in results.items():
+        t, w = r["trained"], r["twin"]
+        out.update({
+            f"twin/{lang}_nll": w.nll_per_token,
+            f"twin/{lang}_bits_per_char": w.bits_per_char,
+            f"twin/{lang}_bits_per_byte": w.bits_per_byte,
+            f"twin/{lang}_nll_over_ln_vocab": w.nll_per_token / ln_v,
+            f"twin/{lang}_trained_nll": t.nll_per_token,
+            f"twin/{lang}_trained_bits_per_char": t.bits_per_char,
+            f"twin/{lang}_trained_bits_per_byte": t.bits_per_byte,
+            f"twin/{lang}_nll_gap": w.nll_per_token - t.nll_per_token,
+        })
+    return {k: v for k, v in out.items() if not math.isnan(v)}
+
+
 def read_documents(path) -> list[str]:
     """Documents of a held-out file: ``.jsonl`` (its ``text`` field per line) or plain text (one
     document per blank-line separated paragraph, as ``data=files`` reads ``.txt``)."""

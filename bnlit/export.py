@@ -1,5 +1,6 @@
 """Export a bnlit checkpoint in the Hugging Face Llama layout, for ``transformers``, the llama.cpp
-converters and Rust runtimes such as candle.
+converters and Rust runtimes such as candle, or as one GGUF file for llama.cpp, ollama and
+candle's quantized models (:func:`export_gguf`).
 
 bnlit's model uses Meta's Llama parameter names and Hugging Face's half-split RoPE layout, so the
 export is a rename table: no permutation of ``wq``/``wk`` is needed (the interleaved-RoPE
@@ -10,12 +11,29 @@ The directory holds ``config.json``, ``model.safetensors``, ``generation_config.
 SentencePiece ``tokenizer.model`` with ``tokenizer_config.json`` and ``special_tokens_map.json``.
 It is written to a temporary sibling directory and renamed into place, so an interrupted export
 leaves no half-written model behind.
+
+**GGUF.** :func:`export_gguf` writes the same tensors, renamed from the Hugging Face names by the
+``gguf`` package's own table, with the metadata and the Q/K row order llama.cpp's
+``convert_hf_to_gguf.py`` gives a ``LlamaForCausalLM`` (llama.cpp rotates interleaved pairs, so
+``wq``/``wk`` rows are permuted from the half-split layout), and the SentencePiece vocabulary as
+llama.cpp's "llama" tokenizer: pieces, scores and token types. Two SentencePiece behaviours are not
+in llama.cpp's tokenizer and are handled here:
+
+- bnlit's Bangla digits are SentencePiece *user-defined* pieces (never merged). llama.cpp splits
+  user-defined tokens out of the text before tokenizing and then puts a space prefix on the text
+  after each one (``২০২৪ সাল`` would lose its leading ``▁`` and gain one before ``সাল``).
+  They are written as normal pieces, as ``convert_hf_to_gguf.py`` does; since no other piece
+  contains them (checked at export), llama.cpp's merges never join them either.
+- SentencePiece strips and collapses runs of spaces (``remove_extra_whitespaces``); llama.cpp
+  does not. :func:`gguf_text` is the pre-call: bnlit's normalisation and that whitespace rule.
+  With it llama.cpp's ids equal :meth:`Tokenizer.encode`'s (``tests/test_gguf.py``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -25,7 +43,11 @@ from safetensors.torch import save_file
 
 from bnlit.errors import CheckpointError
 from bnlit.model import ModelConfig, Transformer
-from bnlit.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
+from bnlit.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, normalize
+
+GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")  # --type of scripts/export_gguf.py
+NORMALIZATION_NOTE = ("call bnlit.tokenizer.normalize(text) before encoding (NFC with decomposed nukta letters, "
+                      "khanda-ta, joiners, invisible controls; bnlit/data/normalize.py)")
 
 LAYER_RENAMES = {
     "attention.wq.weight": "self_attn.q_proj.weight",
@@ -115,8 +137,7 @@ def tokenizer_files(tokenizer: Tokenizer, max_len: int) -> dict[str, dict]:
         "model_max_length": max_len,
         "padding_side": "right",
         # the SentencePiece model's own rule is identity: bnlit normalises before encoding
-        "bnlit_normalization": "call bnlit.tokenizer.normalize(text) before encoding (NFC with decomposed "
-                               "nukta letters, khanda-ta, joiners, invisible controls; bnlit/data/normalize.py)",
+        "bnlit_normalization": NORMALIZATION_NOTE,
     }
     return {"tokenizer_config.json": config, "special_tokens_map.json": special}
 
@@ -156,3 +177,165 @@ def export_hf(model: Transformer, tokenizer: Tokenizer, out_dir: str | os.PathLi
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+# -- GGUF (llama.cpp) ---------------------------------------------------------------------------
+
+_SPACES = re.compile(" {2,}")
+
+
+def sentencepiece_spec(tokenizer: Tokenizer):
+    """The SentencePiece ``ModelProto`` of ``tokenizer`` (pieces, types, normaliser flags)."""
+    from sentencepiece import sentencepiece_model_pb2
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(tokenizer.model_bytes)
+    return proto
+
+
+def gguf_text(text: str, remove_extra_whitespaces: bool = True) -> str:
+    """What to give llama.cpp's tokenizer so that its ids equal :meth:`Tokenizer.encode`'s: bnlit's
+    :func:`normalize`, then SentencePiece's ``remove_extra_whitespaces`` (spaces at the ends
+    stripped, runs of spaces collapsed to one), which llama.cpp does not apply."""
+    text = normalize(text)
+    return _SPACES.sub(" ", text).strip(" ") if remove_extra_whitespaces else text
+
+
+def llama_cpp_rope_order(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Rows of a ``wq``/``wk`` weight from the half-split RoPE layout (bnlit, Hugging Face) to the
+    interleaved one llama.cpp's Llama graph rotates (``LlamaModel.permute`` of
+    ``convert_hf_to_gguf.py``): within each head, row ``i`` of the first half and row ``i`` of the
+    second become rows ``2i`` and ``2i + 1``."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_vocab(tokenizer: Tokenizer, vocab_size: int) -> tuple[list[bytes], list[float], list[int]]:
+    """Pieces, scores and llama.cpp token types (``gguf.TokenType``: normal, unknown, control,
+    user-defined, unused, byte), padded to the model's ``vocab_size`` with unused ``[PAD<i>]``
+    rows. SentencePiece's user-defined pieces become normal ones (module docstring)."""
+    import gguf
+
+    proto = sentencepiece_spec(tokenizer)
+    pieces = [p.piece for p in proto.pieces]
+    tokens, scores, types = [], [], []
+    user_defined = [p.piece for p in proto.pieces if p.type == p.USER_DEFINED]
+    for piece in user_defined:
+        inside = next((q for q in pieces if q != piece and piece in q), None)
+        if inside is not None:
+            raise CheckpointError(f"tokenizer: user-defined piece {piece!r} is also inside piece {inside!r}; "
+                                  "llama.cpp would merge it where SentencePiece does not, so the GGUF's "
+                                  "tokenization would differ. Retrain the tokenizer (scripts/train_tokenizer.py)")
+    for p in proto.pieces:
+        tokens.append(p.piece.encode("utf-8"))
+        scores.append(p.score)
+        types.append(gguf.TokenType.NORMAL if p.type == p.USER_DEFINED else int(p.type))
+    for i in range(vocab_size - len(tokens)):
+        tokens.append(f"[PAD{i}]".encode())
+        scores.append(-1000.0)
+        types.append(gguf.TokenType.UNUSED)
+    return tokens, scores, types
+
+
+def gguf_tensors(model: Transformer) -> dict[str, torch.Tensor]:
+    """The float32 weights under llama.cpp's tensor names (``token_embd.weight``,
+    ``blk.0.attn_q.weight`` ...), from the Hugging Face names of :func:`hf_state_dict`; a tied
+    head is left out (llama.cpp then uses ``token_embd``)."""
+    import gguf
+
+    cfg = model.config
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.n_layer)
+    out = {}
+    for name, t in hf_state_dict(model, torch.float32).items():
+        if name.endswith("q_proj.weight"):
+            t = llama_cpp_rope_order(t, cfg.n_head)
+        elif name.endswith("k_proj.weight"):
+            t = llama_cpp_rope_order(t, cfg.n_kv_heads)
+        new = names.get_name(name, try_suffixes=(".weight",))
+        if new is None:
+            raise KeyError(f"no GGUF name for {name!r}")
+        out[new] = t
+    return out
+
+
+def export_gguf(model: Transformer, tokenizer: Tokenizer, out_path: str | os.PathLike, type: str = "f32",
+                overwrite: bool = False) -> Path:
+    """Write ``model`` and ``tokenizer`` as one GGUF file for llama.cpp's ``llama`` architecture.
+
+    ``type``: ``f32``, ``f16``, ``bf16`` or ``q8_0`` for the matrices (norms stay float32; a
+    matrix whose rows do not split into q8_0's 32-value blocks falls back to f16), as
+    ``convert_hf_to_gguf.py --outtype`` does. Written to a temporary sibling and renamed into place.
+    """
+    import gguf
+
+    if type not in GGUF_TYPES:
+        raise CheckpointError(f"--type {type!r}: use one of {', '.join(GGUF_TYPES)}")
+    out_path = Path(out_path)
+    if out_path.exists() and not overwrite:
+        raise CheckpointError(f"GGUF file {out_path} already exists; pass --overwrite or choose another --out")
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise CheckpointError(f"tokenizer has {tokenizer.vocab_size} tokens, more than the model's "
+                              f"{model.config.vocab_size}; they are not from the same run")
+    Q = gguf.GGMLQuantizationType
+    matrix_type, file_type = {
+        "f32": (Q.F32, gguf.LlamaFileType.ALL_F32), "f16": (Q.F16, gguf.LlamaFileType.MOSTLY_F16),
+        "bf16": (Q.BF16, gguf.LlamaFileType.MOSTLY_BF16), "q8_0": (Q.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
+    }[type]
+    cfg = model.config
+    spec = sentencepiece_spec(tokenizer).normalizer_spec
+    tokens, scores, types = gguf_vocab(tokenizer, cfg.vocab_size)
+
+    w = gguf.GGUFWriter(None, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA])
+    w.add_name(f"bnlit {cfg.name}")
+    w.add_description("exported by bnlit (scripts/export_gguf.py); tokenize " + NORMALIZATION_NOTE.removeprefix(
+        "call ") + ", then SentencePiece's whitespace rule (bnlit.export.gguf_text)")
+    w.add_file_type(file_type)
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_context_length(cfg.max_seq_len)
+    w.add_embedding_length(cfg.dim)
+    w.add_block_count(cfg.n_layer)
+    w.add_feed_forward_length(cfg.ffn_hidden)
+    w.add_head_count(cfg.n_head)
+    w.add_head_count_kv(cfg.n_kv_heads)
+    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_layer_norm_rms_eps(cfg.norm_eps)
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(BOS_ID)
+    w.add_eos_token_id(EOS_ID)
+    w.add_unk_token_id(UNK_ID)
+    w.add_pad_token_id(PAD_ID)
+    w.add_add_bos_token(False)  # bnlit's documents start after an eos, never a bos
+    w.add_add_eos_token(False)
+    w.add_add_space_prefix(spec.add_dummy_prefix)
+    w.add_remove_extra_whitespaces(spec.remove_extra_whitespaces)
+    w.add_string("bnlit.normalization", NORMALIZATION_NOTE)
+    w.add_string("bnlit.model_config", json.dumps(cfg.to_dict()))
+    w.add_string("bnlit.tokenizer_sha256", tokenizer.sha256)
+    for name, t in gguf_tensors(model).items():
+        data = t.numpy()
+        qtype = Q.F32 if data.ndim == 1 else matrix_type
+        try:
+            data = gguf.quants.quantize(data, qtype)
+        except gguf.QuantError:
+            qtype = Q.F16
+            data = gguf.quants.quantize(data, qtype)
+        w.add_tensor(name, data, raw_dtype=qtype)  # a quantized (uint8) array's shape is converted there
+
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_path.with_name(f".{out_path.name}.tmp{os.getpid()}")
+    try:
+        w.write_header_to_file(path=tmp)
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        os.replace(tmp, out_path)
+    except BaseException:
+        w.close()
+        tmp.unlink(missing_ok=True)
+        raise
+    return out_path

@@ -7,10 +7,10 @@ a weight is natively a *token* share; what a person means by "80% Bangla" is usu
 byte-level tokenizer Bangla (2.66 UTF-8 bytes per character) gets ~0.37 characters per token and
 English ~1.0, so a token split of 80/20 is a character split of about 60/40, and an even token
 split hands English almost three quarters of the text. The functions here measure fertility
-(:func:`measure`, :func:`fertility_from_counts`), the token premium of Petrov et al. (2023), convert
+(:func:`measure`, :func:`chars_per_token`, :func:`heldout_fertility`), the token premium of Petrov et al. (2023), convert
 between the two units (:func:`token_weights_for_char_shares`, :func:`effective_shares`) and judge
 the result (:func:`floor_verdicts`, :func:`share_verdicts`); ``scripts/fertility.py`` and
-``callbacks/fertility.py`` are thin wrappers over them.
+``bnlit.callbacks.fertility`` are thin wrappers over them.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -47,7 +48,7 @@ class Fertility:
 
     @property
     def chars_per_token(self) -> float:
-        return self.chars / self.tokens if self.tokens else float("nan")
+        return chars_per_token(self.chars, self.tokens)
 
     @property
     def bytes_per_token(self) -> float:
@@ -131,9 +132,46 @@ def measure(texts: Sequence[str], tokenizer, language: str = "", num_threads: in
                      int(mark[flat].sum()) if flat.size else 0)
 
 
-def fertility_from_counts(chars: int, tokens: int) -> float:
-    """Characters per token from shard-index counts (``tokens`` without the end-of-document ids)."""
-    return chars / tokens if tokens > 0 else float("nan")
+def chars_per_token(chars: int, tokens: int, docs: int = 0) -> float:
+    """Characters per token: the one fertility formula of bnlit. ``docs`` end-of-document ids are
+    taken off ``tokens`` first (they carry no text; shard indexes count one per document). With
+    no content token the ratio is undefined and the result is ``nan``, never ``0.0``, which would
+    read as a starved language and fail a floor."""
+    content = tokens - docs
+    return chars / content if content > 0 else float("nan")
+
+
+def language_counts(stats: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, int]]:
+    """Per-language ``chars``, content ``tokens`` (end-of-document ids excluded) and ``docs``,
+    summed over shard-index entries (each with ``language``, ``chars``, ``tokens``, ``docs``)."""
+    out: dict[str, dict[str, int]] = {}
+    for st in stats:
+        e = out.setdefault(st["language"], {"chars": 0, "tokens": 0, "docs": 0})
+        e["chars"] += st["chars"]
+        e["tokens"] += st["tokens"] - st["docs"]
+        e["docs"] += st["docs"]
+    return out
+
+
+def heldout_fertility(stats: Iterable[Mapping[str, Any]], tokens: Mapping[str, np.ndarray], tokenizer) -> dict[str, dict]:
+    """Per-language counts and ratios of a held-out slice: characters and tokens from its shard
+    statistics, byte-fallback and unknown rates from its ``tokens`` (per language, end-of-document
+    ids included or not), and ``premium``: the reference language's characters per token over this
+    language's, the tokens it pays per unit of text. The reference is English if present. The
+    slices are not translations of each other, so this is not the content-matched premium of
+    Petrov et al. 2023 (:func:`token_premium`, ``scripts/fertility.py``)."""
+    is_byte, unk = byte_piece_table(tokenizer)
+    out: dict[str, dict] = language_counts(stats)
+    for lang, e in out.items():
+        ids = np.asarray(tokens[lang], dtype=np.int64)
+        ids = ids[ids != tokenizer.eos_id]
+        e["chars_per_token"] = chars_per_token(e["chars"], e["tokens"])
+        e["byte_fallback_rate"] = float(is_byte[ids].mean()) if ids.size else float("nan")
+        e["unk_rate"] = float((ids == unk).mean()) if ids.size else float("nan")
+    ref = "en" if "en" in out else next(iter(out), None)
+    for e in out.values():
+        e["premium"] = out[ref]["chars_per_token"] / e["chars_per_token"]  # nan when either is nan
+    return out
 
 
 def token_premium(token_counts: Mapping[str, int], reference: str | None = None) -> dict[str, float]:

@@ -24,6 +24,7 @@ Counts are small (a sorted array of the distinct bigrams seen), saved with the r
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -245,3 +246,37 @@ def summary_line(lang: str, trained: EvalResult, baselines: dict[str, EvalResult
     wins = beaten(trained, baselines)
     parts = [f"{name} ({b.bits_per_char:.3f}) {'yes' if wins[name] else 'NO'}" for name, b in baselines.items()]
     return f"{lang}: trained {trained.bits_per_char:.3f} bits/char; beat " + ", ".join(parts)
+
+
+def baseline_metrics(trained: dict[str, EvalResult], baselines: dict[str, dict[str, EvalResult]]) -> dict[str, float]:
+    """The ``baseline/`` metrics of each language's n-gram baselines, and ``learned_context/<lang>``:
+    the bigram's bits/char minus the trained model's (positive when the model beats the bigram).
+    NaNs (a slice without bytes or characters) are left out."""
+    out = {}
+    for lang, t in trained.items():
+        for order, b in baselines.get(lang, {}).items():
+            out.update({f"baseline/{lang}_{order}_nll": b.nll_per_token,
+                        f"baseline/{lang}_{order}_bits_per_char": b.bits_per_char,
+                        f"baseline/{lang}_{order}_bits_per_byte": b.bits_per_byte})
+        if "bigram" in baselines.get(lang, {}):
+            out[f"learned_context/{lang}"] = baselines[lang]["bigram"].bits_per_char - t.bits_per_char
+    return {k: v for k, v in out.items() if not math.isnan(v)}
+
+
+def comparison_table(results: dict[str, dict[str, EvalResult]],
+                     baselines: dict[str, dict[str, EvalResult]]) -> tuple[list[str], list[list]]:
+    """Columns and rows of ``twin/table``: per language the trained model against its twin
+    (``results[lang] = {"trained", "twin"}``) and its n-gram baselines, and which it beat."""
+    columns = ["language", "tokens", "chars", "trained_nll_per_token", "twin_nll_per_token", "nll_gap",
+               "trained_bits_per_char", "twin_bits_per_char", "trained_bits_per_byte", "twin_bits_per_byte"]
+    orders = [o for o in BASELINES if any(o in b for b in baselines.values())]
+    columns += [f"{o}_bits_per_char" for o in orders] + [f"beat_{o}" for o in ("twin", *orders)]
+    rows = []
+    for lang, r in results.items():
+        t, w, base = r["trained"], r["twin"], baselines.get(lang, {})
+        wins = beaten(t, {"twin": w, **base})
+        rows.append([lang, t.tokens, t.chars, t.nll_per_token, w.nll_per_token, w.nll_per_token - t.nll_per_token,
+                     t.bits_per_char, w.bits_per_char, t.bits_per_byte, w.bits_per_byte]
+                    + [base[o].bits_per_char if o in base else None for o in orders]
+                    + [wins.get(o) for o in ("twin", *orders)])
+    return columns, rows

@@ -22,41 +22,13 @@ from omegaconf import DictConfig, OmegaConf
 
 import bnlit.resolvers  # noqa: F401  (registers ${bnlit.*} resolvers)
 from bnlit import CONF_DIR
-from bnlit.checkpoint import read_checkpoint
-from bnlit.checkpointing import Interrupted, newest_checkpoint, remove_partial_writes, requeued_slurm_job
-from bnlit.ckpt_io import AtomicCheckpointIO
-from bnlit.errors import BnlitError, CheckpointError, ConfigError
-from bnlit.summary import format_value, redact, write_summary
+from bnlit.checkpointing import Interrupted, prepare_resume, remove_partial_writes
+from bnlit.errors import BnlitError, ConfigError
+from bnlit.run_report import format_value, redact, run_tags, sweep_group, write_summary
 from bnlit.threads import load_average, set_threads
 from bnlit.validate import instantiate_checked, validate_config
 
 log = logging.getLogger("bnlit")
-
-
-def resolve_ckpt_path(ckpt_path: str | None, checkpoint_dir: Path, overwrite: bool) -> str | None:
-    """``None``: a fresh run, refused if the run dir already holds checkpoints (unless
-    ``overwrite``), except in a requeued SLURM job, which resumes; ``"last"``: the complete
-    checkpoint of this run dir with the highest step; else an existing file."""
-    existing = sorted(checkpoint_dir.glob("*.ckpt")) if checkpoint_dir.is_dir() else []
-    if ckpt_path is None and existing and requeued_slurm_job() and not overwrite:
-        log.info("requeued SLURM job (SLURM_RESTART_COUNT=%s): resuming from %s",
-                 os.environ.get("SLURM_RESTART_COUNT"), checkpoint_dir)
-        ckpt_path = "last"
-    if ckpt_path is None:
-        if existing and not overwrite:
-            raise CheckpointError(f"{checkpoint_dir} already holds checkpoints of another run; resume with "
-                                  "ckpt_path=last, choose a new hydra.run.dir, or pass overwrite=true")
-        return None
-    if ckpt_path == "last":
-        newest = newest_checkpoint(checkpoint_dir)
-        if newest is not None:
-            return str(newest)
-        torn = f" ({len(existing)} .ckpt files do not open: truncated or corrupt)" if existing else ""
-        raise CheckpointError(f"ckpt_path=last: no complete checkpoint in {checkpoint_dir}{torn}; "
-                              "set hydra.run.dir to the run you want to resume")
-    if not Path(ckpt_path).is_file():
-        raise CheckpointError(f"ckpt_path={ckpt_path}: no such file; pass an existing .ckpt or ckpt_path=last")
-    return ckpt_path
 
 
 def instantiate_group(group: DictConfig | None, wandb_kwargs: dict | None = None) -> list:
@@ -69,36 +41,6 @@ def instantiate_group(group: DictConfig | None, wandb_kwargs: dict | None = None
     return out
 
 
-MODEL_SHAPE = ("vocab_size", "dim", "n_layer", "n_head", "n_kv_heads", "ffn_multiplier", "multiple_of", "tie_embeddings")
-
-
-def check_resume(cfg: DictConfig, ckpt_path: str, checkpoint: dict) -> None:
-    """Refuse, in one line, a checkpoint whose model shape differs from the configured one."""
-    saved = checkpoint["model_config"]  # read_checkpoint made sure it is there
-    want = instantiate(cfg.model.config).to_dict()  # with the dataclass defaults filled in
-    diff = [f"{k}={saved.get(k)} (config: {want.get(k)})" for k in MODEL_SHAPE if saved.get(k) != want.get(k)]
-    if diff:
-        raise CheckpointError(f"ckpt_path={ckpt_path} holds a {saved.get('name')} model of another shape: "
-                              f"{', '.join(diff)}; resume with model={saved.get('name')} or start a fresh run")
-
-
-def run_tags(cfg: DictConfig) -> list[str]:
-    """W&B tags: the model preset, the hardware config, the data mixture, then ``cfg.tags``."""
-    choices = HydraConfig.get().runtime.choices if HydraConfig.initialized() else {}
-    trainer = choices.get("trainer") or f"{cfg.trainer.accelerator}x{cfg.trainer.devices}"
-    sources = cfg.data.get("sources") or []
-    total = sum(float(s.get("weight", 1.0)) for s in sources) or 1.0
-    mix = "+".join(f"{s.name}{round(100 * float(s.get('weight', 1.0)) / total)}" for s in sources)
-    return [f"model:{cfg.model.config.name}", f"trainer:{trainer}", f"data:{mix}", *map(str, cfg.get("tags") or [])]
-
-
-def sweep_group() -> str | None:
-    """Runs of one Hydra multirun share a W&B group: the sweep directory's name."""
-    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
-        return Path(HydraConfig.get().sweep.dir).name
-    return None
-
-
 def train(cfg: DictConfig) -> dict[str, float]:
     """Fit the configured model; return the final ``trainer.callback_metrics`` as floats."""
     start = time.perf_counter()
@@ -108,14 +50,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
     callbacks = instantiate_group(cfg.get("callbacks"))  # their own argument checks, also before the data build
     checkpoint_dir = Path(cfg.paths.checkpoint_dir)
     remove_partial_writes(checkpoint_dir)
-    ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), checkpoint_dir, cfg.get("overwrite", False))
-    ckpt_io = AtomicCheckpointIO()
-    if ckpt_path is not None:  # validate before Lightning sees it
-        checkpoint = read_checkpoint(ckpt_path)
-        check_resume(cfg, ckpt_path, checkpoint)
-        if not any(s in str(cfg.trainer.get("strategy")) for s in ("FSDP", "ModelParallel")):  # these load files themselves
-            ckpt_io.preload(ckpt_path, checkpoint)  # Lightning's load takes it: the file is read once
-        del checkpoint  # hold no reference to optimizer states during training
+    ckpt_path, ckpt_io = prepare_resume(cfg.get("ckpt_path"), checkpoint_dir, cfg.get("overwrite", False),
+                                        instantiate(cfg.model.config), cfg.trainer.get("strategy"))
     L.seed_everything(cfg.seed, workers=True)
     if torch.cuda.is_available():
         torch.set_float32_matmul_precision("high")

@@ -17,7 +17,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from bnlit.dead_vocabulary import dead_vocabulary, format_report
 from bnlit.errors import ConfigError
-from bnlit.reporting import log_table, run_dir, write_json_atomic
+from bnlit.run_report import log_table, run_dir, write_json_atomic
 
 log = logging.getLogger(__name__)
 REPORT_FILE = "dead_vocabulary.json"

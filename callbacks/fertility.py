@@ -12,40 +12,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import lightning as L
-import numpy as np
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from bnlit import fertility
 from bnlit.errors import ConfigError, TokenizerError
-from bnlit.reporting import log_table
+from bnlit.run_report import log_metrics, log_table
 
 ON_FAIL = ("raise", "warn")
-
-
-def validation_fertility(datamodule) -> dict[str, dict]:
-    """Per-language counts and ratios on the held-out slice: characters and tokens from the shard
-    index (end-of-document ids excluded), byte-fallback and unknown rates from the tokens."""
-    is_byte, unk = fertility.byte_piece_table(datamodule.tokenizer)
-    eos = datamodule.tokenizer.eos_id
-    out: dict[str, dict] = {}
-    for name, st in datamodule.split_stats("val").items():
-        e = out.setdefault(st["language"], {"chars": 0, "tokens": 0, "docs": 0})
-        e["chars"] += st["chars"]
-        e["tokens"] += st["tokens"] - st["docs"]
-        e["docs"] += st["docs"]
-    for lang, e in out.items():
-        ids = np.asarray(datamodule.val_tokens(lang), dtype=np.int64)
-        ids = ids[ids != eos]
-        e["chars_per_token"] = fertility.fertility_from_counts(e["chars"], e["tokens"])
-        e["byte_fallback_rate"] = float(is_byte[ids].mean()) if ids.size else float("nan")
-        e["unk_rate"] = float((ids == unk).mean()) if ids.size else float("nan")
-    ref = "en" if "en" in out else next(iter(out), None)
-    for lang, e in out.items():
-        # tokens per character relative to the reference language: the premium a language pays
-        # per unit of text (the held-out slices are not translations of each other, so this is
-        # not the content-matched premium of Petrov et al. 2023; scripts/fertility.py gives that)
-        e["premium"] = out[ref]["chars_per_token"] / e["chars_per_token"] if e["chars_per_token"] else float("nan")
-    return out
 
 
 class FertilityCheck(L.Callback):
@@ -98,15 +71,14 @@ class FertilityCheck(L.Callback):
         if dm is None or not hasattr(dm, "split_stats"):
             rank_zero_warn("FertilityCheck: no bnlit data module attached; fertility not checked")
             return
-        val = validation_fertility(dm)
+        stats = dm.split_stats("val").values()
+        val = fertility.heldout_fertility(stats, {st["language"]: dm.val_tokens(st["language"]) for st in stats},
+                                          dm.tokenizer)
         mixture = getattr(dm, "mixture", None)
         problems = fertility.floor_verdicts({k: v["chars_per_token"] for k, v in val.items()}, self.floors)
         if mixture and self.check_shares:
-            train = dm.split_stats("train").values()
-            langs = {st["language"] for st in train}
-            cpt = {lang: fertility.fertility_from_counts(
-                sum(st["chars"] for st in train if st["language"] == lang),
-                sum(st["tokens"] - st["docs"] for st in train if st["language"] == lang)) for lang in langs}
+            cpt = {lang: fertility.chars_per_token(e["chars"], e["tokens"])
+                   for lang, e in fertility.language_counts(dm.split_stats("train").values()).items()}
             problems += fertility.share_verdicts(mixture["intended"], mixture["tokens"], mixture["chars"], cpt,
                                                  max_factor=self.max_factor, unit=mixture["unit"])
         parallel = None
@@ -140,9 +112,7 @@ class FertilityCheck(L.Callback):
                 metrics[f"tok/{lang}_intended_share"] = mixture["intended"].get(lang, 0.0)
                 metrics[f"tok/{lang}_token_share"] = mixture["tokens"].get(lang, 0.0)
                 metrics[f"tok/{lang}_char_share"] = mixture["chars"].get(lang, 0.0)
-        if trainer.is_global_zero:
-            for lg in trainer.loggers:
-                lg.log_metrics(metrics, step=trainer.global_step)
+        log_metrics(trainer, metrics)
         columns = ["language", "chars_per_token", "premium", "byte_fallback_rate", "unk_rate",
                    "intended_share", "token_share", "char_share", "weight_unit",
                    "parallel_chars_per_token", "parallel_premium"]

@@ -44,7 +44,7 @@ from bnlit.gradient_flow import (
     unique_trainable,
     update_flow_report,
 )
-from bnlit.reporting import write_json_atomic
+from bnlit.run_report import write_json_atomic
 
 log = logging.getLogger("bnlit")
 

@@ -23,7 +23,6 @@ no random numbers and runs inside ``fork_rng`` all the same) or leaves the model
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Sequence
 
 import lightning as L
@@ -33,68 +32,21 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 
 from bnlit.errors import ConfigError
-from bnlit.evaluation import EvalResult, NLLSum, evaluate_stream, twin_model, uniform_nll
-from bnlit.ngram import BASELINES, baseline_verdicts, beaten, count_shards, save_baselines, summary_line
-from bnlit.reporting import log_table, run_dir
+from bnlit.evaluation import (
+    EvalResult,
+    NLLSum,
+    documents_prefix,
+    evaluate_stream,
+    format_twin_table,
+    text_size,
+    twin_metrics,
+    twin_model,
+    twin_verdicts,
+)
+from bnlit.ngram import baseline_metrics, baseline_verdicts, comparison_table, count_shards, save_baselines, summary_line
+from bnlit.run_report import log_metrics, log_table, run_dir
 
 log = logging.getLogger(__name__)
-
-
-def documents_prefix(tokens: np.ndarray, eos_id: int, max_tokens: int | None) -> tuple[np.ndarray, bool]:
-    """The longest run of whole documents (each ending in ``eos``) within ``max_tokens`` of a
-    held-out stream, and whether that is the whole stream. When even the first document is
-    longer, its first ``max_tokens`` tokens."""
-    tokens = np.asarray(tokens)
-    if max_tokens is None or len(tokens) <= max_tokens:
-        return tokens, True
-    ends = np.flatnonzero(tokens[:max_tokens] == eos_id)
-    cut = int(ends[-1]) + 1 if ends.size else max_tokens
-    return tokens[:cut], False
-
-
-def text_size(tokens: np.ndarray, tokenizer, eos_id: int) -> tuple[int, int]:
-    """Characters and UTF-8 bytes of the text that ``tokens`` decode to (documents split at eos)."""
-    ids = np.asarray(tokens).tolist()
-    chars = nbytes = 0
-    start = 0
-    for i, t in enumerate(ids + [eos_id]):
-        if t == eos_id:
-            if i > start:
-                text = tokenizer.decode(ids[start:i])
-                chars, nbytes = chars + len(text), nbytes + len(text.encode("utf-8"))
-            start = i + 1
-    return chars, nbytes
-
-
-def twin_verdicts(results: dict[str, dict[str, EvalResult]], vocab_size: int, step: int,
-                  init_tolerance: float, learning_after_steps: int) -> list[str]:
-    """Warnings: a twin further than ``init_tolerance`` (relative) from ln(V), and a trained model
-    not below its twin once ``step >= learning_after_steps``."""
-    out, ln_v = [], uniform_nll(vocab_size)
-    for lang, r in results.items():
-        twin = r["twin"].nll_per_token
-        if abs(twin / ln_v - 1.0) > init_tolerance:
-            out.append(f"twin/{lang}: the randomly initialised twin has NLL {twin:.3f}/token, "
-                       f"{twin / ln_v:.2f}x ln(V)={ln_v:.3f} (tolerance {init_tolerance:.0%}); the init is "
-                       "not near-uniform: check model.config.init_std and the residual scaling")
-        trained = r.get("trained")
-        if trained is not None and step >= learning_after_steps and not trained.nll_per_token < twin:
-            out.append(f"twin/{lang}: after {step} steps the trained model's NLL {trained.nll_per_token:.3f}/token "
-                       f"is not below its random twin's {twin:.3f}; the run is not learning "
-                       "(check optimizer.lr, the data and grad/ metrics)")
-    return out
-
-
-def format_table(results: dict[str, dict[str, EvalResult]], vocab_size: int, step: int) -> str:
-    """The trained-vs-twin table as fixed-width text."""
-    head = (f"{'lang':<6}{'tokens':>9}{'chars':>10}{'trained nll/tok':>17}{'twin nll/tok':>14}"
-            f"{'gap':>8}{'trained bits/char':>19}{'twin bits/char':>16}")
-    lines = [f"random twin (step {step}, vocab {vocab_size}, ln(V)={uniform_nll(vocab_size):.3f}):", head]
-    for lang, r in results.items():
-        t, w = r["trained"], r["twin"]
-        lines.append(f"{lang:<6}{t.tokens:>9}{t.chars:>10}{t.nll_per_token:>17.4f}{w.nll_per_token:>14.4f}"
-                     f"{w.nll_per_token - t.nll_per_token:>8.3f}{t.bits_per_char:>19.4f}{w.bits_per_char:>16.4f}")
-    return "\n".join(lines)
 
 
 class RandomTwinNLL(L.Callback):
@@ -205,23 +157,11 @@ class RandomTwinNLL(L.Callback):
         if not self.results:
             return
         if trainer.is_global_zero:
-            log.info("%s", format_table(self.results, self.vocab_size, trainer.global_step))
+            log.info("%s", format_twin_table(self.results, self.vocab_size, trainer.global_step))
             for lang, r in self.results.items():
                 log.info("proof of learning (step %d) %s", trainer.global_step,
                          summary_line(lang, r["trained"], self._compared(lang)))
-        columns = ["language", "tokens", "chars", "trained_nll_per_token", "twin_nll_per_token", "nll_gap",
-                   "trained_bits_per_char", "twin_bits_per_char", "trained_bits_per_byte", "twin_bits_per_byte"]
-        orders = [o for o in BASELINES if any(o in b for b in self._baselines.values())]
-        columns += [f"{o}_bits_per_char" for o in orders] + [f"beat_{o}" for o in ("twin", *orders)]
-        rows = []
-        for lang, r in self.results.items():
-            base = self._baselines.get(lang, {})
-            wins = beaten(r["trained"], self._compared(lang))
-            rows.append([lang, r["trained"].tokens, r["trained"].chars, r["trained"].nll_per_token, r["twin"].nll_per_token,
-                         r["twin"].nll_per_token - r["trained"].nll_per_token, r["trained"].bits_per_char,
-                         r["twin"].bits_per_char, r["trained"].bits_per_byte, r["twin"].bits_per_byte]
-                        + [base[o].bits_per_char if o in base else None for o in orders]
-                        + [wins.get(o) for o in ("twin", *orders)])
+        columns, rows = comparison_table(self.results, self._baselines)
         log_table(trainer, "twin/table", columns, rows)
 
     def _compared(self, lang: str) -> dict[str, EvalResult]:
@@ -237,9 +177,7 @@ class RandomTwinNLL(L.Callback):
         metrics = self.metrics()
         for k, v in metrics.items():
             trainer.callback_metrics[k] = torch.tensor(v)
-        if trainer.is_global_zero:
-            for lg in trainer.loggers:
-                lg.log_metrics(metrics, step=trainer.global_step)
+        log_metrics(trainer, metrics)
         self.verdicts = twin_verdicts(self.results, self.vocab_size, trainer.global_step,
                                       self.init_tolerance, self.learning_after_steps)
         self.verdicts += baseline_verdicts({lang: r["trained"] for lang, r in self.results.items()},
@@ -248,24 +186,5 @@ class RandomTwinNLL(L.Callback):
             rank_zero_warn(v)
 
     def metrics(self) -> dict[str, float]:
-        ln_v = uniform_nll(self.vocab_size)
-        out = {}
-        for lang, r in self.results.items():
-            t, w = r["trained"], r["twin"]
-            out.update({
-                f"twin/{lang}_nll": w.nll_per_token,
-                f"twin/{lang}_bits_per_char": w.bits_per_char,
-                f"twin/{lang}_bits_per_byte": w.bits_per_byte,
-                f"twin/{lang}_nll_over_ln_vocab": w.nll_per_token / ln_v,
-                f"twin/{lang}_trained_nll": t.nll_per_token,
-                f"twin/{lang}_trained_bits_per_char": t.bits_per_char,
-                f"twin/{lang}_trained_bits_per_byte": t.bits_per_byte,
-                f"twin/{lang}_nll_gap": w.nll_per_token - t.nll_per_token,
-            })
-            for order, b in self._baselines.get(lang, {}).items():
-                out.update({f"baseline/{lang}_{order}_nll": b.nll_per_token,
-                            f"baseline/{lang}_{order}_bits_per_char": b.bits_per_char,
-                            f"baseline/{lang}_{order}_bits_per_byte": b.bits_per_byte})
-            if "bigram" in self._baselines.get(lang, {}):
-                out[f"learned_context/{lang}"] = self._baselines[lang]["bigram"].bits_per_char - t.bits_per_char
-        return {k: v for k, v in out.items() if not math.isnan(v)}
+        trained = {lang: r["trained"] for lang, r in self.results.items()}
+        return {**twin_metrics(self.results, self.vocab_size), **baseline_metrics(trained, self._baselines)}

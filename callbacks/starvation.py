@@ -13,7 +13,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from bnlit.errors import ConfigError
-from bnlit.reporting import log_table
+from bnlit.run_report import log_table
 from bnlit.starvation import LanguageStarvationError, starvation_message, starved_languages
 
 ON_STARVED = ("warn", "raise")

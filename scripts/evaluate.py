@@ -4,6 +4,7 @@ training data; optionally multiple-choice accuracy (lm-eval-harness ``acc_norm``
 
     python scripts/evaluate.py --checkpoint CKPT --text bn=FILE --text en=FILE [--json]
                                [--twin/--no-twin] [--multiple-choice FILE] [--run-dir DIR] [--no-contamination]
+                               [--held-out bn] [--gguf FILE ...]
 
 A ``.txt`` file is one document per blank-line separated paragraph, a ``.jsonl`` file one
 ``{"text": ...}`` per line. Every document token and one end-of-document token per document are
@@ -14,6 +15,12 @@ training text the contamination is measured against: the share of the file's dis
 n-grams found in training (``ngram_rate``) and of its documents contaminated by the run's
 decontamination rule (``contamination_rate``). ``--json`` prints one JSON object keyed by
 language, with top-level ``vocab_size`` (and ``multiple_choice`` when asked).
+
+``--held-out LANG`` scores the run's own validation documents of LANG (from its cleaning cache).
+``--gguf FILE`` (repeatable; needs the ``serve`` extra) also scores a GGUF export of the checkpoint
+through llama.cpp: llama.cpp tokenizes the text (after ``bnlit.export.gguf_text``) and computes
+the logits, in the same windows; each language's row gains ``gguf`` with, per file, the same
+fields, ``same_tokens`` (llama.cpp's token stream equals bnlit's) and ``bits_per_char_vs_trained``.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from bnlit.checkpoint import DATAMODULE_KEY, load_model
+from bnlit.checkpointing import datamodule_state, load_model
 from bnlit.errors import BnlitError, ConfigError
 from bnlit.evaluation import EvalResult, evaluate_stream, read_documents, token_stream, twin_model
 from bnlit.ngram import BASELINES, count_shards, load_baselines
@@ -101,19 +108,44 @@ def score(model, stream, seq_len: int, batch_size: int, device, chars: int, nbyt
     return EvalResult(nll, tokens, chars, nbytes)
 
 
+GGUF_FILE_TYPES = {0: "f32", 1: "f16", 7: "q8_0", 32: "bf16"}  # general.file_type (gguf.LlamaFileType)
+
+
+def score_gguf(lm, docs: list[str], seq_len: int, batch_size: int, bnlit_stream, trained: EvalResult) -> dict:
+    """One language's row for a GGUF file: llama.cpp's tokens and logits, bnlit's windows."""
+    stream = token_stream(lm.encode_batch(docs), lm.eos_id)
+    nll, tokens = evaluate_stream(lm, stream, seq_len, batch_size, device="cpu")
+    r = EvalResult(nll, tokens, trained.chars, trained.bytes)
+    return {"file": str(lm.path), "type": GGUF_FILE_TYPES.get(lm.file_type, str(lm.file_type)),
+            **{k: getattr(r, k) for k in FIELDS}, "tokens": r.tokens,
+            "same_tokens": len(stream) == len(bnlit_stream) and bool((stream == bnlit_stream).all()),
+            "bits_per_char_vs_trained": r.bits_per_char / trained.bits_per_char - 1}
+
+
 def evaluate(args: argparse.Namespace) -> dict:
     texts = parse_text(args.text or [])
-    if not texts and not args.multiple_choice:
-        raise ConfigError("nothing to evaluate: pass --text LANG=FILE and/or --multiple-choice FILE")
+    if not texts and not args.multiple_choice and not args.held_out:
+        raise ConfigError("nothing to evaluate: pass --text LANG=FILE, --held-out LANG and/or --multiple-choice FILE")
     docs = {lang: read_documents(path) for lang, path in texts.items()}
+    run_dir = find_run_dir(args.checkpoint, args.run_dir)
+    for lang in args.held_out or []:
+        from bnlit.data.report import held_out_documents
+
+        if lang in docs or run_dir is None:
+            raise ConfigError(f"--held-out {lang}: given with --text {lang}, or no run directory (pass --run-dir)")
+        docs[lang] = held_out_documents(run_dir, lang)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model, tok, ckpt = load_model(args.checkpoint)
     model.to(device)
     cfg = model.config
-    seq_len = args.seq_len or (ckpt.get(DATAMODULE_KEY) or {}).get("seq_len") or cfg.max_seq_len
+    seq_len = args.seq_len or datamodule_state(ckpt).get("seq_len") or cfg.max_seq_len
     if not 0 < seq_len <= cfg.max_seq_len:
         raise ConfigError(f"--seq-len {seq_len}: must be in 1..{cfg.max_seq_len} (model.config.max_seq_len)")
-    run_dir = find_run_dir(args.checkpoint, args.run_dir)
+    ggufs = []
+    if args.gguf:
+        from bnlit.serving import LlamaCppLM
+
+        ggufs = [LlamaCppLM(path, n_ctx=seq_len) for path in args.gguf]
     twin = twin_model(model, args.twin_seed, device=device) if args.twin else None
     counts, source = run_baselines(run_dir, list(docs), tok.eos_id, cfg.vocab_size) if docs else ({}, "")
     out: dict = {"checkpoint": str(args.checkpoint), "step": ckpt.get("global_step"), "vocab_size": cfg.vocab_size,
@@ -135,9 +167,13 @@ def evaluate(args: argparse.Namespace) -> dict:
             row["learned_context"] = row["bigram_bits_per_char"] - r.bits_per_char
         row["beats"] = {name: row[f"{name}_bits_per_char"] > r.bits_per_char
                         for name in ("twin", *BASELINES) if f"{name}_bits_per_char" in row}
+        if ggufs:
+            row["gguf"] = {str(lm.path): score_gguf(lm, d, seq_len, args.batch_size, stream, r) for lm in ggufs}
         if args.contamination:
             row["contamination"] = contamination(d, run_dir, f"--text {lang}")
         out[lang] = row
+    for lm in ggufs:
+        lm.close()
     if args.multiple_choice:
         from bnlit.multiple_choice import load_items, score_items
 
@@ -178,6 +214,11 @@ def format_report(res: dict) -> str:
                 lines.append(f"{lang:<6}{name:<9}{r['documents']:>6}{r['tokens']:>10}{r['chars']:>11}"
                              f"{r[p + 'nll_per_token']:>9.4f}{r[p + 'bits_per_char']:>11.4f}{r[p + 'bits_per_byte']:>11.4f}"
                              f"  {note}")
+            for g in r.get("gguf", {}).values():
+                lines.append(f"{lang:<6}llama.cpp {g['type']} ({g['file']}): nll/tok {g['nll_per_token']:.4f}, "
+                             f"bits/char {g['bits_per_char']:.4f} ({100 * g['bits_per_char_vs_trained']:+.3f}% vs "
+                             f"trained), bits/byte {g['bits_per_byte']:.4f}, "
+                             f"{'the same tokens as bnlit' if g['same_tokens'] else 'OTHER TOKENS than bnlit'}")
             if "learned_context" in r:
                 lines.append(f"{lang:<6}learned context (bigram - trained bits/char): {r['learned_context']:+.4f}")
         if res["baselines"]:
@@ -204,6 +245,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", type=Path, help="the training run (default: the checkpoint's run directory)")
     p.add_argument("--contamination", action=argparse.BooleanOptionalAction, default=True,
                    help="measure each text's overlap with the run's training data (default: on)")
+    p.add_argument("--held-out", action="append", metavar="LANG",
+                   help="score the run's own validation documents of LANG (repeatable; needs its cleaning cache)")
+    p.add_argument("--gguf", action="append", type=Path, metavar="FILE",
+                   help="also score this GGUF export through llama.cpp (repeatable; pip install -e '.[serve]')")
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     return p
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from bnlit.checkpoint import load_model
+from bnlit.checkpointing import load_model
 from bnlit.errors import BnlitError
 from bnlit.export import export_hf
 

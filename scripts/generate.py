@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from bnlit.checkpoint import load_model
+from bnlit.checkpointing import load_model
 from bnlit.errors import BnlitError, ConfigError
 from bnlit.generation import generate
 

@@ -32,7 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bnlit.summary import read_metrics  # noqa: E402
+from bnlit.run_report import read_metrics  # noqa: E402
 
 
 def train_command(run_dir: Path, preset: str, profile: str, steps: int, accumulate: int, extra: list[str]) -> list[str]:

@@ -16,7 +16,7 @@ import torch
 
 import bnlit.data.shards as shards
 import bnlit.data.sources as sources
-from bnlit.ckpt_io import AtomicCheckpointIO
+from bnlit.checkpointing import AtomicCheckpointIO
 from bnlit.train import main
 from conftest import TINY
 
@@ -227,7 +227,7 @@ BAD_VALUES = [
     (["model.config.vocab_size=10"],
      "model.config.vocab_size=10: a trained tokenizer needs at least 392 tokens (4 special, 256 byte fallback, "
      "the required characters); raise it to at least 392, e.g. 8192"),
-    (["data.seq_len=1024"], "data.seq_len=1024 exceeds model.config.max_seq_len=512 of preset tiny; "
+    (["data.seq_len=1024"], "data.seq_len=1024 exceeds model.config.max_seq_len=256 of preset tiny; "
                             "lower data.seq_len or raise max_seq_len"),
     (["data.sources.0.weight=0", "data.sources.1.weight=0"],
      "data.sources: weights [0, 0] sum to 0; give at least one source a weight > 0"),

@@ -15,7 +15,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from bnlit import CONF_DIR
-from bnlit.summary import read_metrics
+from bnlit.run_report import read_metrics
 from conftest import TINY
 
 STEPS = ["trainer.max_steps=6", "trainer.val_check_interval=3", "callbacks.model_checkpoint.every_n_train_steps=3"]

@@ -15,13 +15,13 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from bnlit import CONF_DIR
-from bnlit.evaluation import (EvalResult, NLLSum, evaluate_documents, evaluate_stream, token_stream, twin_model,
-                              uniform_nll, windows)
+from bnlit.evaluation import (EvalResult, NLLSum, documents_prefix, evaluate_documents, evaluate_stream, text_size,
+                              token_stream, twin_model, twin_verdicts, uniform_nll, windows)
 from bnlit.multiple_choice import MultipleChoiceItem, continuation_logprob, encode_pair, load_items, score_items
 from bnlit.model import ModelConfig, Transformer
 from bnlit.summary import read_metrics
 from bnlit.train import train
-from bnlit.callbacks.random_twin import RandomTwinNLL, documents_prefix, text_size, twin_verdicts
+from bnlit.callbacks.random_twin import RandomTwinNLL
 
 FIXTURES = Path(__file__).parent / "fixtures"
 SMALL = ModelConfig(name="t", vocab_size=128, dim=32, n_layer=2, n_head=4, n_kv_heads=2, multiple_of=32,

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from bnlit.checkpoint import load_model, read_checkpoint
+from bnlit.checkpointing import load_model, read_checkpoint
 from bnlit.errors import CheckpointError
 from bnlit.export import export_hf, hf_name
 from bnlit.generation import filter_logits, generate

@@ -255,6 +255,20 @@ def test_fertility_check_warns_and_flags_an_inverted_mixture(make_cfg, english_o
     assert any("mixture inverted in characters: bn was meant to outweigh en" in m for m in messages)
 
 
+def test_chars_per_token_is_one_formula_and_nan_without_text():
+    assert fertility.chars_per_token(10, 4) == 2.5
+    assert fertility.chars_per_token(10, 6, docs=2) == 2.5  # end-of-document ids carry no text
+    for chars, tokens, docs in ((0, 0, 0), (5, 2, 2), (3, 0, 0)):
+        assert math.isnan(fertility.chars_per_token(chars, tokens, docs))
+    assert math.isnan(fertility.Fertility("bn", 0, 0, 0, 0, 0, 0, 0).chars_per_token)
+    counts = fertility.language_counts([{"language": "bn", "chars": 30, "tokens": 12, "docs": 2},
+                                        {"language": "bn", "chars": 10, "tokens": 6, "docs": 1},
+                                        {"language": "en", "chars": 8, "tokens": 5, "docs": 1}])
+    assert counts == {"bn": {"chars": 40, "tokens": 15, "docs": 3}, "en": {"chars": 8, "tokens": 4, "docs": 1}}
+    # an undefined ratio fails a floor instead of passing it silently
+    assert fertility.floor_verdicts({"bn": fertility.chars_per_token(0, 0)}, {"bn": 2.5})
+
+
 # ---- content-matched premium on parallel text -------------------------------------------------
 PAIRS = [("আমি বাংলায় গান গাই।", "I sing in Bangla."), ("আজ আকাশ পরিষ্কার।", "The sky is clear today."),
          ("সে প্রতিদিন স্কুলে যায়।", "She goes to school every day."), ("আমরা একসাথে খাই।", "We eat together."),

@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from bnlit.checkpointing import (
-    Interrupted, SignalLatch, checkpoint_step, newest_checkpoint, newest_k, remove_partial_writes, tmp_name,
+    AtomicCheckpointIO, Interrupted, SignalLatch, checkpoint_step, newest_checkpoint, newest_k, remove_partial_writes,
+    resolve_ckpt_path, tmp_name,
 )
-from bnlit.ckpt_io import AtomicCheckpointIO
 from bnlit.csv_logger import read_whole_rows
-from bnlit.summary import read_metrics
+from bnlit.run_report import read_metrics
 from conftest import TINY
 
 TESTS = Path(__file__).parent
@@ -127,7 +127,6 @@ def test_newest_checkpoint_is_chosen_by_step_and_must_be_complete(tmp_path):
 
 def test_resolve_last_names_a_dir_of_torn_files(tmp_path):
     from bnlit.errors import CheckpointError
-    from bnlit.train import resolve_ckpt_path
 
     (tmp_path / "last.ckpt").write_bytes(b"PK\x03\x04")
     with pytest.raises(CheckpointError, match=r"ckpt_path=last: no complete checkpoint in .* \(1 .ckpt files do not "
@@ -137,7 +136,6 @@ def test_resolve_last_names_a_dir_of_torn_files(tmp_path):
 
 def test_requeued_slurm_job_resumes_without_ckpt_path(tmp_path, monkeypatch):
     from bnlit.errors import CheckpointError
-    from bnlit.train import resolve_ckpt_path
 
     save(tmp_path / "step0000004.ckpt", 4)
     with pytest.raises(CheckpointError, match="already holds checkpoints"):

@@ -20,7 +20,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from bnlit import CONF_DIR
-from bnlit.summary import read_metrics
+from bnlit.run_report import read_metrics
 from conftest import TINY
 
 # the rehearsal's own seq_len/batch/steps stay; only the data is cut to the test corpus

@@ -15,11 +15,11 @@ import lightning as L
 import pytest
 import torch
 
-from bnlit.ckpt_io import AtomicCheckpointIO
-from bnlit.data.dataset import MixtureSampler, reshard_start
+from bnlit.checkpointing import AtomicCheckpointIO
+from bnlit.data.datamodule import rng_state, set_rng_state
+from bnlit.data.dataset import MixtureSampler, reshard_start, resume_start
 from bnlit.errors import CheckpointError
-from bnlit.resume import resume_start, rng_state, set_rng_state
-from bnlit.summary import read_metrics
+from bnlit.run_report import read_metrics
 from bnlit.train import train
 from conftest import TINY
 
@@ -154,3 +154,31 @@ def test_a_preloaded_checkpoint_is_returned_once(tmp_path):
     io.preload(path, {"global_step": 7})
     assert io.load_checkpoint(path)["global_step"] == 7  # the caller's validated copy, not re-read
     assert io.load_checkpoint(path)["global_step"] == 1  # and not kept afterwards
+
+
+def test_resume_compares_every_model_config_field():
+    from dataclasses import fields
+
+    from bnlit.checkpointing import RESUME_MAY_DIFFER, check_resume
+    from bnlit.model import ModelConfig
+
+    cfg = ModelConfig(name="tiny", vocab_size=256, dim=64, n_layer=2, n_head=4, multiple_of=32, max_seq_len=128)
+    check_resume(cfg, "a.ckpt", {"model_config": {**cfg.to_dict(), "name": "renamed", "init_std": 0.01}})
+    for changed in ({"max_seq_len": 256}, {"rope_theta": 500000.0}, {"n_kv_heads": 2}, {"norm_eps": 1e-6}):
+        (field, value), = changed.items()
+        with pytest.raises(CheckpointError, match=rf"a.ckpt holds a tiny model of another shape: {field}={value} "
+                                                  rf"\(config: {getattr(cfg, field)}\)"):
+            check_resume(cfg, "a.ckpt", {"model_config": {**cfg.to_dict(), **changed}})
+    # a field added to ModelConfig later is compared unless it is listed as allowed to differ
+    assert RESUME_MAY_DIFFER < {f.name for f in fields(ModelConfig)}
+
+
+def test_preload_only_where_the_strategy_reads_through_checkpoint_io():
+    from omegaconf import OmegaConf
+
+    from bnlit.checkpointing import loads_through_checkpoint_io
+
+    fsdp = OmegaConf.create({"_target_": "lightning.pytorch.strategies.FSDPStrategy", "sharding_strategy": "FULL_SHARD"})
+    assert loads_through_checkpoint_io("auto") and loads_through_checkpoint_io("ddp") and loads_through_checkpoint_io(None)
+    assert not loads_through_checkpoint_io(fsdp) and not loads_through_checkpoint_io("fsdp")
+    assert not loads_through_checkpoint_io("deepspeed")

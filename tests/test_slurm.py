@@ -16,7 +16,7 @@ import lightning as L
 import pytest
 import torch
 
-from bnlit.summary import read_metrics
+from bnlit.run_report import read_metrics
 from conftest import REHEARSAL, TINY
 
 pytestmark = [pytest.mark.slurm]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from bnlit.summary import read_metrics
+from bnlit.run_report import read_metrics
 from conftest import TINY
 
 

@@ -10,30 +10,71 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import random
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import numpy as np
+import torch
+import torch.distributed as dist
 from torch.utils.data import ConcatDataset, DataLoader
 
 from bnlit import progress as progress_bars
 from bnlit.checkpointing import worker_ignores_interrupts
 from bnlit.data import embedded
-from bnlit.data.dataset import MixtureSampler, PackedWindows, mixture_counts
+from bnlit.data.dataset import MixtureSampler, PackedWindows, mixture_counts, resume_start
 from bnlit.data.pipeline import CleanConfig, clean_sources, load_stats, read_clean
 from bnlit.data.report import build_report, log_report, write_report
 from bnlit.data.shards import build_shards, is_validation, load_index, read_tokens
 from bnlit.data.sources import Source, check_exists, fingerprint, iter_documents
 from bnlit.errors import ConfigError, TokenizerError
-from bnlit.resume import gather_rng_states, resume_start, set_rng_state
-from bnlit.fertility import by_language, effective_shares, fertility_from_counts, token_weights_for_char_shares
+from bnlit.fertility import by_language, chars_per_token, effective_shares, token_weights_for_char_shares
 from bnlit.tokenizer import RECIPE_VERSION, Tokenizer, sample_by_language, train_tokenizer, training_lines
 
 log = logging.getLogger(__name__)
 TOKENIZER_FILE = "tokenizer.model"
 WEIGHT_UNITS = ("tokens", "chars")
+
+
+# Every rank's RNG states travel in the data module's checkpoint state (state_dict runs on every
+# rank, so the all-gather below is collective), as plain tensors, ints and lists so the checkpoint
+# still loads with torch.load(weights_only=True).
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states (torch, CUDA, numpy, python) in a ``weights_only``-loadable form."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    py_version, py_state, py_gauss = random.getstate()
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "python": {"version": py_version, "state": list(py_state), "gauss": py_gauss},
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
+    p = state["python"]
+    random.setstate((p["version"], tuple(p["state"]), p["gauss"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def gather_rng_states() -> list[dict[str, Any]]:
+    """Every rank's RNG states, indexed by rank (a collective under torch.distributed)."""
+    mine = rng_state()
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [mine]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, mine)
+    return out
 
 
 class BnDataModule(L.LightningDataModule):
@@ -272,7 +313,7 @@ class BnDataModule(L.LightningDataModule):
         """Token sampling weights from the configured weights and ``weight_unit``, and the shares
         they deliver (``self.mixture``, per language, in characters and tokens)."""
         train = self.split_stats("train")
-        cpt = {s.name: fertility_from_counts(train[s.name]["chars"], train[s.name]["tokens"] - train[s.name]["docs"])
+        cpt = {s.name: chars_per_token(train[s.name]["chars"], train[s.name]["tokens"], train[s.name]["docs"])
                for s in self.sources}
         configured = {s.name: s.weight for s in self.sources}
         if self.weight_unit == "chars":

@@ -12,6 +12,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler
 
+from bnlit.errors import CheckpointError
+
 
 class PackedWindows(Dataset):
     """Non-overlapping windows of ``seq_len + 1`` tokens: ``(input, target)`` shifted by one."""
@@ -106,3 +108,20 @@ def reshard_start(consumed_per_rank: int, old_world: int, new_world: int) -> int
     if consumed % new_world:
         raise ValueError(f"{consumed} samples consumed by {old_world} ranks cannot be split evenly over {new_world} ranks")
     return consumed // new_world
+
+
+def resume_start(position: dict[str, int], world_size: int, batch_size: int) -> int:
+    """Per-rank sampler start for a run of ``world_size`` ranks resuming from ``position`` (as
+    saved by ``BnDataModule.state_dict``). The same world size continues where each rank
+    stopped; another world size is resharded when the global batch is unchanged and the
+    consumed samples split evenly, and refused otherwise."""
+    old_world, old_batch = position["world_size"], position["batch_size"]
+    consumed = position["samples_per_rank"]
+    if old_world == world_size and old_batch == batch_size:
+        return consumed
+    if old_world * old_batch != world_size * batch_size:
+        raise CheckpointError(
+            f"checkpoint was written by {old_world} ranks x data.batch_size={old_batch}; this run has "
+            f"{world_size} x {batch_size}; resume with the same global batch (ranks x data.batch_size = "
+            f"{old_world * old_batch}) so the data order can be resharded")
+    return reshard_start(consumed, old_world, world_size)

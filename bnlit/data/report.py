@@ -3,7 +3,7 @@
 ``build_report`` combines the shard index (documents, characters, tokens per source and split)
 with the cleaning stats of :func:`bnlit.data.pipeline.clean_sources` (filters, dedup,
 decontamination). ``write_report`` puts ``data_report.json`` and ``data_report.md`` in the run
-directory; ``log_report`` sends its tables through :func:`bnlit.reporting.log_table` (W&B and
+directory; ``log_report`` sends its tables through :func:`bnlit.run_report.log_table` (W&B and
 ``<run dir>/tables/``). Evaluation tools read ``validation_decontaminated`` from the JSON: true
 when every training document sharing enough n-grams with the validation text was removed.
 """
@@ -13,16 +13,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from bnlit.reporting import write_json_atomic
+from bnlit.fertility import chars_per_token
+from bnlit.run_report import write_json_atomic
 
 REPORT_JSON = "data_report.json"
 REPORT_MD = "data_report.md"
 SPLITS = ("train", "val")
-
-
-def _cpt(chars: int, tokens: int, docs: int) -> float:
-    content = tokens - docs  # EOS separators carry no text
-    return chars / content if content > 0 else 0.0
 
 
 def build_report(index: dict, clean: dict | None, shard_dir: str | os.PathLike | None = None,
@@ -38,7 +34,7 @@ def build_report(index: dict, clean: dict | None, shard_dir: str | os.PathLike |
             for k in ("docs", "chars", "tokens"):
                 agg[k] += e[k]
             src[split] = {k: e[k] for k in ("docs", "chars", "tokens")}
-            src[split]["chars_per_token"] = _cpt(e["chars"], e["tokens"], e["docs"])
+            src[split]["chars_per_token"] = chars_per_token(e["chars"], e["tokens"], e["docs"])
         if clean is not None and name in clean["sources"]:
             c = clean["sources"][name]
             src["input"] = {"docs": c["input_docs"], "chars": c["input_chars"]}
@@ -50,7 +46,7 @@ def build_report(index: dict, clean: dict | None, shard_dir: str | os.PathLike |
             }
     for splits in languages.values():
         for e in splits.values():
-            e["chars_per_token"] = _cpt(e["chars"], e["tokens"], e["docs"])
+            e["chars_per_token"] = chars_per_token(e["chars"], e["tokens"], e["docs"])
     return {
         "shard_dir": str(shard_dir) if shard_dir else None,
         "clean_dir": str(clean_dir) if clean_dir else None,
@@ -137,7 +133,7 @@ def write_report(run_dir: str | os.PathLike, report: dict) -> Path:
 
 
 def log_report(trainer, report: dict) -> None:
-    from bnlit.reporting import log_table
+    from bnlit.run_report import log_table
 
     log_table(trainer, "data/languages", LANGUAGE_COLUMNS, language_rows(report))
     log_table(trainer, "data/dropped", DROPPED_COLUMNS, dropped_rows(report))
@@ -181,3 +177,22 @@ def check_against_training(eval_texts, run_dir: str | os.PathLike, ngram: int | 
     out = contamination((normalize_text(t) for t in eval_texts), train, ngram or dc.get("ngram", 13),
                         dc.get("min_overlap", 0.05) if min_overlap is None else min_overlap, name)
     return dict(out, checked_against=report["clean_dir"])
+
+
+def held_out_documents(run_dir: str | os.PathLike, language: str) -> list[str]:
+    """The run's validation documents of ``language`` (every source of it), read back from its
+    cleaning cache: the text its ``val`` shards encode, in source order."""
+    from bnlit.data.pipeline import read_clean
+    from bnlit.data.shards import is_validation
+    from bnlit.errors import DataError
+
+    report = read_report(run_dir)
+    if report is None or not report.get("clean_dir") or not Path(report["clean_dir"]).is_dir():
+        raise DataError(f"{run_dir}: no data report with a cleaning cache to read the held-out text from; "
+                        "pass the text with --text LANG=FILE instead")
+    names = [n for n, s in report["sources"].items() if s.get("language") == language]
+    if not names:
+        langs = sorted({s.get("language") for s in report["sources"].values()})
+        raise DataError(f"--held-out {language}: the run has no {language} source (it has {', '.join(langs)})")
+    frac = report["val_fraction"]
+    return [t for n in names for t in read_clean(report["clean_dir"], n) if is_validation(t, frac)]

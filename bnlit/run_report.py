@@ -1,9 +1,14 @@
-"""A run summary for users without W&B: ``<run dir>/summary.md`` with the final value of every
-metric, the tables under ``<run dir>/tables/``, and PNG plots of loss, MFU, fertility and the
-random-twin gap drawn from ``<run dir>/csv/metrics.csv``. Also :func:`redact`, which keeps
-secrets (W&B/HF keys, tokens, passwords) out of every config dump handed to a logger.
+"""Everything a run reports, apart from the live metrics each callback logs:
 
-``python -m bnlit.summary RUN_DIR`` rewrites the summary of a finished run."""
+- :func:`log_metrics` and :func:`log_table`: what a callback sends to every attached logger (a
+  table also goes to ``<run dir>/tables/<key>.json`` for users without W&B);
+- :func:`run_tags`, :func:`sweep_group` and :func:`redact`: the W&B tags and group of a run, and
+  the config dump handed to loggers with secrets (W&B/HF keys, tokens, passwords) removed;
+- :func:`write_summary`: ``<run dir>/summary.md`` with the final value of every metric, the tables,
+  and PNG plots of loss, MFU, fertility and the random-twin gap from ``<run dir>/csv/metrics.csv``;
+- :func:`print_report`: the console lines at the end of ``bnlit.train``, saying where everything went.
+
+``python -m bnlit.run_report RUN_DIR`` rewrites the summary of a finished run."""
 
 from __future__ import annotations
 
@@ -13,13 +18,78 @@ import math
 import os
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+import lightning as L
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from lightning.pytorch.loggers import WandbLogger
+from omegaconf import DictConfig
 
 SECRET_KEY = re.compile(r"(api_?key|token|secret|password|passwd)$", re.IGNORECASE)
 SECRET_ENV = ("WANDB_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
 REDACTED = "<redacted>"
+
+
+# -- to the loggers -------------------------------------------------------------------------------
+
+def log_metrics(trainer: L.Trainer, metrics: Mapping[str, float]) -> None:
+    """Send ``metrics`` to every attached logger at the current step, from global rank zero.
+
+    For values computed outside a logging step (a check that runs every n optimizer steps, a
+    fit-start measurement): ``LightningModule.log`` would hold them until the next logging step."""
+    if trainer.is_global_zero and metrics:
+        for logger in trainer.loggers:
+            logger.log_metrics(dict(metrics), step=trainer.global_step)
+
+
+def run_dir(trainer: L.Trainer) -> Path:
+    """The run's output directory (Hydra's run dir, which is ``trainer.default_root_dir``)."""
+    return Path(trainer.default_root_dir)
+
+
+def write_json_atomic(path: str | os.PathLike, payload: Any) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(payload, indent=2, default=str))
+    os.replace(tmp, path)
+    return path
+
+
+def log_table(trainer: L.Trainer, key: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    """Log ``rows`` under ``key`` (e.g. ``tok/fertility``) as a W&B table where a WandbLogger is
+    attached, and write ``<run dir>/tables/<key with / as _>.json`` on global rank zero."""
+    if not trainer.is_global_zero:
+        return
+    for logger in trainer.loggers:
+        if isinstance(logger, WandbLogger):
+            logger.log_table(key=key, columns=list(columns), data=[list(r) for r in rows])
+    name = key.replace("/", "_") + ".json"
+    write_json_atomic(run_dir(trainer) / "tables" / name,
+                      {"columns": list(columns), "rows": [list(r) for r in rows], "step": trainer.global_step})
+
+
+def run_tags(cfg: DictConfig) -> list[str]:
+    """W&B tags: the model preset, the hardware config, the data mixture, then ``cfg.tags``."""
+    choices = HydraConfig.get().runtime.choices if HydraConfig.initialized() else {}
+    trainer = choices.get("trainer") or f"{cfg.trainer.accelerator}x{cfg.trainer.devices}"
+    sources = cfg.data.get("sources") or []
+    total = sum(float(s.get("weight", 1.0)) for s in sources) or 1.0
+    mix = "+".join(f"{s.name}{round(100 * float(s.get('weight', 1.0)) / total)}" for s in sources)
+    return [f"model:{cfg.model.config.name}", f"trainer:{trainer}", f"data:{mix}", *map(str, cfg.get("tags") or [])]
+
+
+def sweep_group() -> str | None:
+    """Runs of one Hydra multirun share a W&B group: the sweep directory's name."""
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+        return Path(HydraConfig.get().sweep.dir).name
+    return None
+
+
+# -- the summary and the final report -------------------------------------------------------------
 
 # plot name -> predicate on a metric key
 PLOTS = {
@@ -255,7 +325,24 @@ def write_summary(run_dir: str | os.PathLike, metrics: Mapping[str, float] | Non
     return out
 
 
+def print_report(cfg: DictConfig, metrics: Mapping[str, float], loggers: Sequence) -> None:
+    """The last lines of a run on the console: the final losses and where every output went."""
+    out = Path(cfg.paths.output_dir)
+    fmt = lambda k: f"{metrics[k]:.4f}" if k in metrics else "n/a"  # noqa: E731
+    lines = [
+        f"train/loss {fmt('train/loss')}  val/loss {fmt('val/loss')}",
+        f"run dir     {out}",
+        f"config      {out / '.hydra' / 'config.yaml'}",
+        f"tokenizer   {out / 'tokenizer.model'}",
+        f"checkpoints {cfg.paths.checkpoint_dir} (last.ckpt)",
+    ]
+    for lg in loggers:
+        where = getattr(lg, "log_dir", None) or getattr(lg, "save_dir", None)
+        lines.append(f"metrics     {type(lg).__name__}: {where}")
+    print("\n".join(lines), flush=True)
+
+
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        sys.exit("usage: python -m bnlit.summary RUN_DIR")
+        sys.exit("usage: python -m bnlit.run_report RUN_DIR")
     print(write_summary(sys.argv[1]))

@@ -1,0 +1,113 @@
+"""A GGUF export (``bnlit.export.export_gguf``) run in llama.cpp through ``llama-cpp-python``
+(the ``serve`` extra: ``pip install -e ".[serve]"``): its tokenizer, its logits and its greedy
+generation, in the shapes bnlit's own model and tokenizer use, so the same scoring code
+(:func:`bnlit.evaluation.evaluate_stream`) and the same comparisons run on both.
+
+llama.cpp keeps its KV cache in float16 by default; :func:`load_gguf` asks for a float32 cache, so
+an f32 GGUF's logits are bnlit's up to float32 rounding, and a quantized file's differences are
+those of its weights alone.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bnlit.errors import CheckpointError
+from bnlit.export import gguf_text
+from bnlit.threads import available_cpus, choose_threads, load_average
+
+GGML_TYPE_F32 = 0  # ggml_type of the KV cache
+
+
+def load_gguf(path: str | os.PathLike, n_ctx: int | None = None, vocab_only: bool = False,
+              n_threads: int | None = None):
+    """``llama_cpp.Llama`` on ``path`` with every position's logits kept (``logits_all``), a float32
+    KV cache and llama.cpp's log lines off. ``n_ctx``: default the model's trained context;
+    ``n_threads``: default the idle cores (:func:`bnlit.threads.choose_threads`, ``auto``: a thread
+    without a core of its own spins at every barrier)."""
+    try:
+        import llama_cpp
+    except ImportError:
+        raise CheckpointError('scoring a GGUF needs llama-cpp-python: pip install -e ".[serve]"') from None
+    path = Path(path)
+    if n_threads is None:
+        n_threads = choose_threads("auto", available_cpus(), load_average())[0]
+    if not path.is_file():
+        raise CheckpointError(f"--gguf {path}: no such file; write one with scripts/export_gguf.py")
+    try:
+        llm = llama_cpp.Llama(str(path), n_ctx=n_ctx or 0, n_batch=n_ctx or 512, logits_all=True,
+                              vocab_only=vocab_only, type_k=GGML_TYPE_F32, type_v=GGML_TYPE_F32,
+                              n_threads=n_threads, n_threads_batch=n_threads, verbose=False)
+    except ValueError as e:  # llama-cpp-python: "Failed to load model from file"
+        raise CheckpointError(f"--gguf {path}: llama.cpp could not load it ({e})") from None
+    return llm
+
+
+class LlamaCppLM:
+    """A GGUF file in llama.cpp with bnlit's interfaces: ``encode``/``encode_batch``/``eos_id``
+    like :class:`bnlit.tokenizer.Tokenizer`, ``lm(idx)`` -> logits ``(B, T, V)`` like
+    :class:`bnlit.model.Transformer`, and :meth:`generate_greedy`."""
+
+    def __init__(self, path: str | os.PathLike, n_ctx: int | None = None, n_threads: int | None = None):
+        self.path = Path(path)
+        self.llm = load_gguf(path, n_ctx=n_ctx, n_threads=n_threads)
+        meta = self.llm.metadata
+        self.eos_id = int(meta["tokenizer.ggml.eos_token_id"])
+        self.remove_extra_whitespaces = meta.get("tokenizer.ggml.remove_extra_whitespaces", "false") == "true"
+        self.n_ctx = self.llm.n_ctx()
+        self.file_type = int(meta.get("general.file_type", -1))
+
+    def encode(self, text: str) -> list[int]:
+        """llama.cpp's ids for ``text`` after the documented pre-call (:func:`bnlit.export.gguf_text`)."""
+        raw = gguf_text(text, self.remove_extra_whitespaces).encode("utf-8")
+        return self.llm.tokenize(raw, add_bos=False, special=False) if raw else []
+
+    def encode_batch(self, texts: Sequence[str], num_threads: int = 1) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """llama.cpp's ``llama_detokenize`` (what its CLI and server print: the space prefix of the
+        first piece removed, as SentencePiece does; llama-cpp-python's ``detokenize`` keeps it)."""
+        import llama_cpp
+
+        arr = (llama_cpp.llama_token * len(ids))(*ids)
+        vocab = self.llm._model.vocab
+        need = -llama_cpp.llama_detokenize(vocab, arr, len(ids), None, 0, False, False)
+        buf = ctypes.create_string_buffer(max(need, 1))
+        n = llama_cpp.llama_detokenize(vocab, arr, len(ids), buf, len(buf), False, False)
+        return buf.raw[:n].decode("utf-8", errors="replace")
+
+    def logits(self, ids: Sequence[int]) -> np.ndarray:
+        """float32 ``(len(ids), V)``: the logits after each of ``ids``, from an empty cache."""
+        if not 0 < len(ids) <= self.n_ctx:
+            raise ValueError(f"{len(ids)} tokens do not fit llama.cpp's context of {self.n_ctx}")
+        self.llm.reset()
+        self.llm.eval(list(ids))
+        return np.array(self.llm.scores[:len(ids)], dtype=np.float32)
+
+    def __call__(self, idx: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(np.stack([self.logits(row.tolist()) for row in idx.cpu()]))
+
+    def generate_greedy(self, ids: Sequence[int], max_new_tokens: int) -> list[int]:
+        """The next ``max_new_tokens`` tokens by llama.cpp's own sampler at temperature 0 (argmax)."""
+        out = []
+        for token in self.llm.generate(list(ids), top_k=1, temp=0.0, reset=True):
+            out.append(int(token))
+            if len(out) == max_new_tokens:
+                break
+        return out
+
+    def close(self) -> None:
+        self.llm.close()
+
+    def __enter__(self) -> LlamaCppLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

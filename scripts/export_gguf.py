@@ -1,0 +1,41 @@
+"""Export a checkpoint as one GGUF file for llama.cpp, ollama and candle (llama architecture,
+SentencePiece vocabulary with scores and token types, BOS/EOS ids, normalisation notes).
+
+    python scripts/export_gguf.py --checkpoint CKPT --out model.gguf [--type f32|f16|bf16|q8_0] [--overwrite]
+
+Norms stay float32 in every type. Tokenize for it as bnlit does: ``bnlit.export.gguf_text(text)``
+(``bnlit.tokenizer.normalize`` and SentencePiece's whitespace rule) before llama.cpp's tokenizer;
+README "Serving" has the llama.cpp, ollama and candle recipes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from bnlit.checkpointing import load_model
+from bnlit.errors import BnlitError
+from bnlit.export import GGUF_TYPES, export_gguf
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--checkpoint", required=True, type=Path, help="a bnlit training checkpoint (last.ckpt or step*.ckpt)")
+    p.add_argument("--out", required=True, type=Path, help="the .gguf file to write")
+    p.add_argument("--type", choices=GGUF_TYPES, default="f32", help="type of the weight matrices")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
+    args = p.parse_args(argv)
+    try:
+        model, tok, ckpt = load_model(args.checkpoint)
+        out = export_gguf(model, tok, args.out, type=args.type, overwrite=args.overwrite)
+    except BnlitError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    print(f"exported {model.config.name} (step {ckpt.get('global_step')}, {model.num_params():,} parameters) "
+          f"to {out} ({args.type}, {out.stat().st_size / 2**20:.2f} MiB)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
