@@ -19,7 +19,7 @@ from bnlit.evaluation import (EvalResult, NLLSum, documents_prefix, evaluate_doc
                               token_stream, twin_model, twin_verdicts, uniform_nll, windows)
 from bnlit.multiple_choice import MultipleChoiceItem, continuation_logprob, encode_pair, load_items, score_items
 from bnlit.model import ModelConfig, Transformer
-from bnlit.summary import read_metrics
+from bnlit.run_report import read_metrics
 from bnlit.train import train
 from bnlit.callbacks.random_twin import RandomTwinNLL
 
