@@ -20,6 +20,7 @@ from bnlit import document_masking, sdpa
 from bnlit.errors import BnlitError
 from bnlit.fast_path import describe_fast_path
 from bnlit.loss import loss_fn, logits_loss
+from bnlit.run_report import log_metrics
 from bnlit.tokenizer import EOS_ID
 
 log = logging.getLogger("bnlit")
@@ -182,9 +183,8 @@ class LMModule(L.LightningModule):
             return
         value = document_masking.leakage_probe(self.model.config, EOS_ID, self.device)
         tolerance = 1e-4
+        log_metrics(self.trainer, {"document_masking/leakage": value})
         if self.trainer.is_global_zero:
-            for lg in self.loggers:
-                lg.log_metrics({"document_masking/leakage": value}, step=self.global_step)
             log.info("document masking: leakage probe %.2e (max logit change after a boundary; tolerance %.0e)",
                      value, tolerance)
         if value > tolerance:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from lightning.pytorch.loggers import WandbLogger
@@ -35,11 +36,16 @@ REDACTED = "<redacted>"
 
 # -- to the loggers -------------------------------------------------------------------------------
 
-def log_metrics(trainer: L.Trainer, metrics: Mapping[str, float]) -> None:
-    """Send ``metrics`` to every attached logger at the current step, from global rank zero.
+def log_metrics(trainer: L.Trainer, metrics: Mapping[str, float], callback_metrics: bool = False) -> None:
+    """Send ``metrics`` to every attached logger at the current step, from global rank zero; with
+    ``callback_metrics``, also publish them in ``trainer.callback_metrics`` on every rank (what
+    ``train()`` returns and the final report prints).
 
     For values computed outside a logging step (a check that runs every n optimizer steps, a
     fit-start measurement): ``LightningModule.log`` would hold them until the next logging step."""
+    if callback_metrics:
+        for k, v in metrics.items():
+            trainer.callback_metrics[k] = torch.tensor(float(v))
     if trainer.is_global_zero and metrics:
         for logger in trainer.loggers:
             logger.log_metrics(dict(metrics), step=trainer.global_step)

@@ -205,7 +205,7 @@ def _fit_recording(make_cfg, tmp_path, monkeypatch, name, *overrides):
 
 def test_callback_leaves_training_bit_identical_and_trained_beats_twin(make_cfg, tmp_path, monkeypatch):
     steps = ["trainer.max_steps=12", "trainer.val_check_interval=4", "callbacks.random_twin.max_tokens=600",
-             "callbacks.random_twin.learning_after_steps=8"]
+             "++callbacks.random_twin.learning_after_steps=8"]
     with_twin, metrics = _fit_recording(make_cfg, tmp_path, monkeypatch, "with", *steps)
     without, plain = _fit_recording(make_cfg, tmp_path, monkeypatch, "without", *steps, "~callbacks.random_twin")
     assert len(with_twin.batches) == len(without.batches) == 12
