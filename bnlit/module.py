@@ -20,6 +20,7 @@ from bnlit import document_masking, sdpa
 from bnlit.errors import BnlitError
 from bnlit.fast_path import describe_fast_path
 from bnlit.loss import loss_fn, logits_loss
+from bnlit.run_report import log_metrics
 from bnlit.tokenizer import EOS_ID
 
 log = logging.getLogger("bnlit")
@@ -182,9 +183,8 @@ class LMModule(L.LightningModule):
             return
         value = document_masking.leakage_probe(self.model.config, EOS_ID, self.device)
         tolerance = 1e-4
+        log_metrics(self.trainer, {"document_masking/leakage": value})
         if self.trainer.is_global_zero:
-            for lg in self.loggers:
-                lg.log_metrics({"document_masking/leakage": value}, step=self.global_step)
             log.info("document masking: leakage probe %.2e (max logit change after a boundary; tolerance %.0e)",
                      value, tolerance)
         if value > tolerance:
@@ -209,6 +209,11 @@ class LMModule(L.LightningModule):
             losses = torch.stack([l for l, _ in self._val_losses])
             weights = torch.tensor([n for _, n in self._val_losses], device=losses.device, dtype=losses.dtype)
             self.log("val/loss", (losses * weights).sum() / weights.sum(), prog_bar=True)
+        # One step convention for every metric: the optimizer steps completed when the value was
+        # measured. Lightning logs an in-fit validation at its count of steps before the current
+        # one (49 after 50 steps), while the twin, baselines and plots use trainer.global_step
+        # (50); a logged "step" is the x value Lightning hands the loggers instead.
+        self.log("step", float(self.global_step))
         self._val_losses = []
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:

@@ -17,7 +17,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from bnlit.dead_vocabulary import dead_vocabulary, format_report
 from bnlit.errors import ConfigError
-from bnlit.run_report import log_table, run_dir, write_json_atomic
+from bnlit.run_report import log_metrics, log_table, run_dir, write_json_atomic
 
 log = logging.getLogger(__name__)
 REPORT_FILE = "dead_vocabulary.json"
@@ -81,10 +81,7 @@ class DeadVocabulary(L.Callback):
         if seen is not None:
             metrics |= {"vocab/never_looked_up": self.report["never_looked_up"]["pieces"],
                         "vocab/never_looked_up_share": self.report["never_looked_up"]["pieces_share"]}
-        for k, v in metrics.items():
-            trainer.callback_metrics[k] = torch.tensor(float(v))
-        for lg in trainer.loggers:
-            lg.log_metrics(metrics, step=trainer.global_step)
+        log_metrics(trainer, metrics, callback_metrics=True)
         rows = []
         for key in ("never_in_training", "never_looked_up"):
             r = self.report.get(key)

@@ -44,7 +44,7 @@ from bnlit.gradient_flow import (
     unique_trainable,
     update_flow_report,
 )
-from bnlit.run_report import write_json_atomic
+from bnlit.run_report import log_metrics, write_json_atomic
 
 log = logging.getLogger("bnlit")
 
@@ -199,12 +199,6 @@ class GradientFlowArbiter(Callback):
             raise GradientFlowError(message)
         rank_zero_warn(message)
 
-    def _log_metrics(self, trainer: L.Trainer, metrics: dict[str, float]) -> None:
-        # check steps need not be logging steps: write straight to the loggers
-        if trainer.is_global_zero and metrics:
-            for lg in trainer.loggers:
-                lg.log_metrics(metrics, step=trainer.global_step)
-
     # -- hooks ---------------------------------------------------------------------------------
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -245,8 +239,6 @@ class GradientFlowArbiter(Callback):
             self._batches.clear()
 
     def _on_step(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
-        if any(getattr(c, "skipped_step", None) == trainer.global_step for c in trainer.callbacks):
-            return  # the NaN guard dropped this step's gradients (policy skip, verdict read on the host)
         reduce, world = self._reduce(trainer), trainer.world_size
         logging_step = step % max(1, trainer.log_every_n_steps) == 0
         last = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
@@ -330,7 +322,7 @@ class GradientFlowArbiter(Callback):
         else:
             self.last_report = self._payload
         if self.log_param_norms:
-            self._log_metrics(trainer, {f"grad/{n}": v for n, v in report.norms.items() if math.isfinite(v)})
+            log_metrics(trainer, {f"grad/{n}": v for n, v in report.norms.items() if math.isfinite(v)})
         if self.check_updates:
             self._snapshot = snapshot_parameters(named, trainer.optimizers, reuse=self._spare)
             self._snapshot_step = step
@@ -360,7 +352,7 @@ class GradientFlowArbiter(Callback):
         finally:
             pl_module.train(was_training)
         self._parity_report = {"step": step, "precision": str(trainer.precision), **parity.to_dict()}
-        self._log_metrics(trainer, {"grad/parity_min_cosine": parity.worst_cosine,
+        log_metrics(trainer, {"grad/parity_min_cosine": parity.worst_cosine,
                                     "grad/parity_max_rel_norm_error": parity.worst_rel_norm_error})
         if trainer.is_global_zero:
             log.info("fast-path parity (%s%s): %d/%d parameters within tolerance (min cosine %.5f, "

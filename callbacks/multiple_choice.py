@@ -18,6 +18,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from bnlit.errors import ConfigError
 from bnlit.multiple_choice import load_items, score_items
+from bnlit.run_report import log_metrics
 
 
 class MultipleChoiceEval(L.Callback):
@@ -70,7 +71,4 @@ class MultipleChoiceEval(L.Callback):
                 metrics |= {f"multiple_choice/{name}_acc_norm": r["acc_norm"],
                             f"multiple_choice/{name}_acc": r["acc"],
                             f"multiple_choice/{name}_chance": r["chance"]}
-        for k, v in metrics.items():
-            trainer.callback_metrics[k] = torch.tensor(v)
-        for lg in trainer.loggers:
-            lg.log_metrics(metrics, step=trainer.global_step)
+        log_metrics(trainer, metrics, callback_metrics=True)

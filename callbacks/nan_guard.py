@@ -73,7 +73,6 @@ class NaNGuard(L.Callback):
         self._seen: torch.Tensor | None = None
         self._pending: list[_Step] = []
         self.deferred: bool | None = None  # which way the last step was checked (None: not yet)
-        self.skipped_step: int | None = None  # the last step whose gradients were dropped on the host
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         if batch_idx % trainer.accumulate_grad_batches == 0 or not self._losses:
@@ -125,8 +124,7 @@ class NaNGuard(L.Callback):
                 self._settle(trainer, pl_module, log_metric=True)
         elif self._settle(trainer, pl_module, log_metric=True):
             for p in pl_module.parameters():
-                p.grad = None
-            self.skipped_step = trainer.global_step  # read by the gradient-flow arbiter: not a missing gradient
+                p.grad = None  # the gradient-flow arbiter does not judge a step without gradients
 
     def _settle(self, trainer, pl_module, log_metric: bool) -> bool:
         """Read the pending verdicts to the host in one copy; raise for ``halt`` (or a spent

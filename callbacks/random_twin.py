@@ -57,7 +57,8 @@ class RandomTwinNLL(L.Callback):
     seed: the twin's init seed.
     batch_size: windows per forward.
     init_tolerance: warn when the twin's NLL is further than this (relative) from ln(V).
-    learning_after_steps: from this step on, warn when the trained model is not below its twin.
+    learning_after_steps: from this step on, warn when the trained model is not below its twin or
+        its unigram (the default run is at the unigram's level at step 100: 3.534 vs 3.525 bits/char).
     languages: the languages to score (default: every validation language).
     baselines: also count and score the unigram and bigram baselines of the training shards.
     baseline_max_tokens: count the baselines from at most this many training tokens per language
@@ -65,7 +66,7 @@ class RandomTwinNLL(L.Callback):
     """
 
     def __init__(self, max_tokens: int | None = 16384, every_n_validations: int = 1, seed: int = 1234,
-                 batch_size: int = 8, init_tolerance: float = 0.15, learning_after_steps: int = 100,
+                 batch_size: int = 8, init_tolerance: float = 0.15, learning_after_steps: int = 200,
                  languages: Sequence[str] | None = None, baselines: bool = True,
                  baseline_max_tokens: int | None = 50_000_000):
         if max_tokens is not None and max_tokens < 2:
@@ -175,9 +176,7 @@ class RandomTwinNLL(L.Callback):
         self.results = {lang: {"trained": trained[lang], "twin": self._twin[lang]} for lang in trained}
         self._last_step = trainer.global_step
         metrics = self.metrics()
-        for k, v in metrics.items():
-            trainer.callback_metrics[k] = torch.tensor(v)
-        log_metrics(trainer, metrics)
+        log_metrics(trainer, metrics, callback_metrics=True)
         self.verdicts = twin_verdicts(self.results, self.vocab_size, trainer.global_step,
                                       self.init_tolerance, self.learning_after_steps)
         self.verdicts += baseline_verdicts({lang: r["trained"] for lang, r in self.results.items()},

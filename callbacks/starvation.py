@@ -13,7 +13,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from bnlit.errors import ConfigError
-from bnlit.run_report import log_table
+from bnlit.run_report import log_metrics, log_table
 from bnlit.starvation import LanguageStarvationError, starvation_message, starved_languages
 
 ON_STARVED = ("warn", "raise")
@@ -50,9 +50,7 @@ class LanguageStarvation(L.Callback):
             self.history.setdefault(lang, []).append(float(v))
         starved, self._trends = starved_languages(self.history, self.patience, self.min_delta)
         metrics = {f"starvation/{lang}": float(lang in starved) for lang in self._trends}
-        if trainer.is_global_zero and metrics:
-            for lg in trainer.loggers:
-                lg.log_metrics(metrics, step=trainer.global_step)
+        log_metrics(trainer, metrics)
         for lang in starved:
             msg = starvation_message(lang, self._trends, self.patience, trainer.global_step)
             self.starved.setdefault(lang, trainer.global_step)

@@ -19,6 +19,7 @@ from bnlit.evaluation import (EvalResult, NLLSum, documents_prefix, evaluate_doc
                               token_stream, twin_model, twin_verdicts, uniform_nll, windows)
 from bnlit.multiple_choice import MultipleChoiceItem, continuation_logprob, encode_pair, load_items, score_items
 from bnlit.model import ModelConfig, Transformer
+from bnlit.run_report import read_metrics
 from bnlit.train import train
 from bnlit.callbacks.random_twin import RandomTwinNLL
 
@@ -204,7 +205,7 @@ def _fit_recording(make_cfg, tmp_path, monkeypatch, name, *overrides):
 
 def test_callback_leaves_training_bit_identical_and_trained_beats_twin(make_cfg, tmp_path, monkeypatch):
     steps = ["trainer.max_steps=12", "trainer.val_check_interval=4", "callbacks.random_twin.max_tokens=600",
-             "callbacks.random_twin.learning_after_steps=8"]
+             "++callbacks.random_twin.learning_after_steps=8"]
     with_twin, metrics = _fit_recording(make_cfg, tmp_path, monkeypatch, "with", *steps)
     without, plain = _fit_recording(make_cfg, tmp_path, monkeypatch, "without", *steps, "~callbacks.random_twin")
     assert len(with_twin.batches) == len(without.batches) == 12
@@ -227,6 +228,13 @@ def test_callback_leaves_training_bit_identical_and_trained_beats_twin(make_cfg,
     assert table["rows"][0][3] == pytest.approx(metrics["twin/bn_trained_nll"])
     csv = (next((tmp_path / "with").rglob("metrics.csv"))).read_text().splitlines()
     assert "twin/bn_nll_gap" in csv[0]
+    # one step convention (optimizer steps completed): validation, twin and baselines after 4
+    # steps are all at step 4 in the CSV, so plots and summary.md line them up
+    series = read_metrics(next((tmp_path / "with").rglob("metrics.csv")))
+    steps = lambda key: [s for s, _ in series[key]]  # noqa: E731
+    assert steps("val/loss") == steps("val/bn_loss") == [0, 4, 8, 12]
+    assert steps("twin/bn_trained_bits_per_char") == steps("learned_context/bn") == [4, 8, 12]
+    assert "step" not in metrics
 
 
 # ---- multiple choice ----------------------------------------------------------------------

@@ -39,7 +39,7 @@ def healthy_run(tmp_path_factory, cache_dir):
     run = tmp_path_factory.mktemp("healthy") / "run"
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("train", overrides=[*TINY, "trainer.max_steps=8", "callbacks.random_twin.max_tokens=2000",
-                                          "callbacks.random_twin.learning_after_steps=4",
+                                          "++callbacks.random_twin.learning_after_steps=4",
                                           f"+callbacks.multiple_choice.tasks.small={FIXTURES / 'multiple_choice_small.jsonl'}"])
     with open_dict(cfg):
         cfg.paths.output_dir = str(run)
