@@ -108,6 +108,8 @@ PLOTS = {
 }
 # plot name -> (title, y-axis label with its unit); the x axis of every curve is the CSV's step:
 # optimizer steps completed before the value was measured (Lightning's logging step)
+# plots whose sign means something: a line at zero (above it the model beats the bigram)
+ZERO_LINE = {"learned_context"}
 PLOT_AXES = {
     "loss": ("loss", "cross-entropy (nats/token)"),
     "mfu": ("model FLOPs utilisation", "MFU (% of peak FLOP/s)"),
@@ -163,10 +165,13 @@ def _pyplot():
 
 
 def plot(series: dict[str, list[tuple[int, float]]], keys: list[str], title: str, path: Path,
-         ylabel: str = "value") -> Path:
-    """Curves of ``keys`` against the optimizer step, with the axes labelled."""
+         ylabel: str = "value", zero_line: bool = False) -> Path:
+    """Curves of ``keys`` against the optimizer step, with the axes labelled; ``zero_line`` draws
+    y = 0 and keeps it in view."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
+    if zero_line:
+        ax.axhline(0.0, color="black", linewidth=0.8, zorder=1)
     for k in keys:
         pts = [(s, v) for s, v in series[k] if math.isfinite(v)]
         ax.plot([s for s, _ in pts], [v for _, v in pts], marker="." if len(pts) < 50 else None, label=k)
@@ -211,10 +216,12 @@ def plot_fertility(values: dict[str, float], floors: dict[str, float], path: Pat
         if lang in floors:
             ax.hlines(floors[lang], i - 0.4, i + 0.4, colors="tab:red", linestyles="--",
                       label="floor (callbacks.fertility.floors)" if i == langs.index(next(l for l in langs if l in floors)) else None)
-            ax.annotate(f"floor {floors[lang]:g}", (i + 0.42, floors[lang]), va="center", fontsize=8, color="tab:red")
+            # beside the bar, clear of its edge (the bar spans i +- 0.3)
+            ax.annotate(f"floor {floors[lang]:g}", (i + 0.45, floors[lang]), xytext=(4, 0), textcoords="offset points",
+                        va="center", ha="left", fontsize=8, color="tab:red")
     top = max([*values.values(), *floors.values()])
     ax.set_ylim(0, top * 1.2)
-    ax.set_xlim(-0.6, len(langs) - 0.4 + 0.5)
+    ax.set_xlim(-0.6, len(langs) - 0.4 + 0.7)
     ax.set_xlabel("language")
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
@@ -305,7 +312,7 @@ def write_summary(run_dir: str | os.PathLike, metrics: Mapping[str, float] | Non
             plots.append(plot_fertility(values, fertility_floors(run_dir), path))
         else:
             title, ylabel = PLOT_AXES[name]
-            plots.append(plot(series, keys, title, path, ylabel))
+            plots.append(plot(series, keys, title, path, ylabel, zero_line=name in ZERO_LINE))
     if plots:
         lines += ["## Plots", ""] + [f"![{p.stem}](plots/{p.name})" for p in plots] + [""]
     elif not csv_path.is_file():

@@ -69,10 +69,10 @@ def train(cfg: DictConfig) -> dict[str, float]:
     if cfg.get("validate_at_start") and ckpt_path is None:
         trainer.validate(module, datamodule=datamodule, verbose=False)
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
-    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
+    metrics = scalar_metrics(trainer)
     if needs_final_validation(trainer):  # every run ends with the final model's val/loss (sweeps read it)
         trainer.validate(module, datamodule=datamodule, verbose=False)
-        metrics.update({k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1})
+        metrics.update(scalar_metrics(trainer))
     if trainer.is_global_zero:
         for lg in loggers:
             lg.save()
@@ -81,6 +81,12 @@ def train(cfg: DictConfig) -> dict[str, float]:
                   "load_end": load_average()}
         report(cfg, metrics, loggers, timing)
     return metrics
+
+
+def scalar_metrics(trainer: L.Trainer) -> dict[str, float]:
+    """The trainer's scalar callback metrics as floats, without the ``step`` the module logs as
+    the loggers' x value (``LMModule.on_validation_epoch_end``)."""
+    return {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1 and k != "step"}
 
 
 def needs_final_validation(trainer: L.Trainer) -> bool:

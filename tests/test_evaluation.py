@@ -19,6 +19,7 @@ from bnlit.evaluation import (EvalResult, NLLSum, documents_prefix, evaluate_doc
                               token_stream, twin_model, twin_verdicts, uniform_nll, windows)
 from bnlit.multiple_choice import MultipleChoiceItem, continuation_logprob, encode_pair, load_items, score_items
 from bnlit.model import ModelConfig, Transformer
+from bnlit.run_report import read_metrics
 from bnlit.train import train
 from bnlit.callbacks.random_twin import RandomTwinNLL
 
@@ -227,6 +228,13 @@ def test_callback_leaves_training_bit_identical_and_trained_beats_twin(make_cfg,
     assert table["rows"][0][3] == pytest.approx(metrics["twin/bn_trained_nll"])
     csv = (next((tmp_path / "with").rglob("metrics.csv"))).read_text().splitlines()
     assert "twin/bn_nll_gap" in csv[0]
+    # one step convention (optimizer steps completed): validation, twin and baselines after 4
+    # steps are all at step 4 in the CSV, so plots and summary.md line them up
+    series = read_metrics(next((tmp_path / "with").rglob("metrics.csv")))
+    steps = lambda key: [s for s, _ in series[key]]  # noqa: E731
+    assert steps("val/loss") == steps("val/bn_loss") == [0, 4, 8, 12]
+    assert steps("twin/bn_trained_bits_per_char") == steps("learned_context/bn") == [4, 8, 12]
+    assert "step" not in metrics
 
 
 # ---- multiple choice ----------------------------------------------------------------------
@@ -304,3 +312,26 @@ def test_callback_rejects_bad_settings():
         RandomTwinNLL(max_tokens=1)
     with pytest.raises(ConfigError, match="every_n_validations"):
         RandomTwinNLL(every_n_validations=-1)
+
+
+def test_held_out_documents_are_the_runs_validation_split(tmp_path):
+    from bnlit.data.report import REPORT_JSON, held_out_documents
+    from bnlit.data.shards import is_validation
+    from bnlit.errors import DataError
+
+    clean = tmp_path / "clean"
+    clean.mkdir()
+    docs = {name: [f"{name} দলিল {i}" for i in range(40)] for name in ("bn_a", "bn_b", "en_a")}
+    for name, texts in docs.items():
+        (clean / f"{name}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    run = tmp_path / "run"
+    run.mkdir()
+    with pytest.raises(DataError, match="no data report"):
+        held_out_documents(run, "bn")
+    sources = {"bn_a": {"language": "bn"}, "bn_b": {"language": "bn"}, "en_a": {"language": "en"}}
+    (run / REPORT_JSON).write_text(json.dumps({"clean_dir": str(clean), "val_fraction": 0.3, "sources": sources}))
+    got = held_out_documents(run, "bn")
+    want = [t for name in ("bn_a", "bn_b") for t in docs[name] if is_validation(t, 0.3)]
+    assert got == want and 0 < len(got) < 80
+    with pytest.raises(DataError, match="--held-out ta: the run has no ta source"):
+        held_out_documents(run, "ta")
