@@ -68,7 +68,8 @@ class LMModule(L.LightningModule):
         FSDP2 each block is compiled before it is sharded (:func:`shard`).
     fullgraph: require a single graph when compiling.
     sdpa_backend: CUDA attention kernels (``bnlit.sdpa``): ``auto`` lets PyTorch pick; ignored on CPU.
-    loss_impl: the output head's loss (``bnlit.loss``): ``plain``, ``chunked`` or ``fused`` (Liger, CUDA).
+    loss_impl: the output head's loss (``bnlit.loss``): ``plain``, ``chunked`` or ``fused`` (torch's
+        ``F.linear_cross_entropy``, fp32 precision only).
     document_masking: attend only within a document of a packed window (``bnlit.document_masking``).
     """
 
@@ -85,7 +86,8 @@ class LMModule(L.LightningModule):
     ):
         super().__init__()
         sdpa.validate(sdpa_backend)
-        # refused here, before the data module builds anything: a bad name, fused without CUDA or Liger
+        # refused here, before the data module builds anything: a bad name, fused on a torch without it
+        # (fused at a precision where it is wrong: bnlit.validate, and configure_model below)
         loss_fn(loss_impl, "cuda" if torch.cuda.is_available() else "cpu")
         self.model = model
         self.optimizer_factory = optimizer
@@ -101,7 +103,8 @@ class LMModule(L.LightningModule):
 
     def configure_model(self) -> None:
         device = self.trainer.strategy.root_device if self._trainer is not None else self.device
-        self.model.loss_fn = loss_fn(self.loss_impl, device)
+        self.model.loss_fn = loss_fn(self.loss_impl, device,
+                                     str(self.trainer.precision) if self._trainer is not None else None)
         if device.type == "cuda":
             sdpa.enable(self.sdpa_backend)
             cfg = self.model.config

@@ -23,6 +23,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from bnlit.errors import BnlitError, ConfigError, DataError
+from bnlit.loss import loss_fn
 
 log = logging.getLogger("bnlit")
 
@@ -148,6 +149,9 @@ def check_values(cfg: DictConfig) -> None:
     betas = _get(cfg, "optimizer.betas")
     if betas is not None and not (len(betas) == 2 and all(fraction(b) for b in betas)):
         raise ConfigError(f"optimizer.betas={betas}: must be two numbers in [0, 1); e.g. [0.9, 0.95]")
+    loss_impl = _get(cfg, "module.loss_impl")
+    if loss_impl is not None:  # a bad name, or fused at a precision where torch's op is wrong
+        loss_fn(loss_impl, "cpu", _get(cfg, "trainer.precision"))
 
 
 def check_steps(cfg: DictConfig) -> None:

@@ -124,7 +124,7 @@ def raw_run(cfg: DictConfig, datamodule, warmup: int, steps: int) -> dict:
     """The same model, optimizer, schedule, clipping and batches in a plain PyTorch loop."""
     torch.manual_seed(cfg.seed)
     model = instantiate(cfg.model)
-    model.loss_fn = loss_fn(cfg.module.loss_impl, "cpu")
+    model.loss_fn = loss_fn(cfg.module.loss_impl, "cpu", cfg.trainer.precision)
     optimizer = instantiate(cfg.optimizer)(param_groups(model, cfg.optimizer.weight_decay))
     scheduler = instantiate(cfg.scheduler)(optimizer)
     clip = cfg.trainer.gradient_clip_val
@@ -167,6 +167,12 @@ def cpu_bench(args, run_root: Path) -> dict:
     masking_on = make_cfg(base, run_root / "probe").module.document_masking
     variants["lightning_masking_flipped"] = [f"module.document_masking={str(not masking_on).lower()}"]
     variants["lightning_chunked_loss"] = ["module.loss_impl=chunked"]
+    variants["lightning_fused_loss"] = ["module.loss_impl=fused"]  # torch's F.linear_cross_entropy (fp32 only)
+    if args.variants:  # a subset, for a longer paired comparison of one switch
+        unknown = set(args.variants) - set(variants)
+        if unknown:
+            raise SystemExit(f"--variants: unknown {sorted(unknown)}; choose from {sorted(set(variants) - {'lightning'})}")
+        variants = {k: v for k, v in variants.items() if k == "lightning" or k in args.variants}
     cfgs = {name: make_cfg(base + extra, run_root / name) for name, extra in variants.items()}
     cfg = cfgs["lightning"]
     datamodule = instantiate(cfg.data)
@@ -195,7 +201,13 @@ def cpu_bench(args, run_root: Path) -> dict:
     med = {k: statistics.median(v) for k, v in tps.items()}
     # a ratio within one repetition compares runs made minutes apart, not a whole benchmark apart:
     # the median of these paired ratios is the least sensitive to load that drifts over the run
-    paired = lambda a, b: statistics.median(x / y for x, y in zip(tps[a], tps[b]))  # noqa: E731
+    # (None where --variants left one of the two out)
+    def paired(a: str, b: str) -> float | None:
+        return statistics.median(x / y for x, y in zip(tps[a], tps[b])) if a in tps and b in tps else None
+
+    def best_of(a: str, b: str) -> float | None:
+        return best[a] / best[b] if a in best and b in best else None
+
     model_cfg = instantiate(cfg.model.config)
     fpt = flops_per_token(model_cfg, cfg.data.seq_len)
     peak = resolve_peak("cpu", torch.float32)
@@ -218,11 +230,12 @@ def cpu_bench(args, run_root: Path) -> dict:
         "peak_rss_gib": monitor.get("memory/peak_rss_gib"),
         "runs_tokens_per_s": tps,
     }
-    # step-time ratios (1.05 = 5% slower): masking on / off, chunked / plain loss
+    # step-time ratios (1.05 = 5% slower): masking on / off, chunked or fused / the configured loss
     on, off = ("lightning", "lightning_masking_flipped") if masking_on else ("lightning_masking_flipped", "lightning")
     out["document_masking_step_time_ratio"] = paired(off, on)
-    out["document_masking_step_time_ratio_best_of"] = best[off] / best[on]
+    out["document_masking_step_time_ratio_best_of"] = best_of(off, on)
     out["chunked_loss_step_time_ratio"] = paired("lightning", "lightning_chunked_loss")  # vs the configured loss_impl
+    out["fused_loss_step_time_ratio"] = paired("lightning", "lightning_fused_loss")
     out["loss_impl"] = cfg.module.loss_impl
     if args.memory:
         out["loss_memory"] = loss_memory(args)
@@ -230,9 +243,8 @@ def cpu_bench(args, run_root: Path) -> dict:
         # step-time ratio with / without the arbiter (1.01 = 1% slower)
         out["arbiter_overhead_ratio_default"] = paired("lightning_no_arbiter", "lightning")
         out["arbiter_overhead_ratio_every_step"] = paired("lightning_no_arbiter", "lightning_arbiter_every_step")
-        out["arbiter_overhead_ratio_default_best_of"] = best["lightning_no_arbiter"] / best["lightning"]
-        out["arbiter_overhead_ratio_every_step_best_of"] = (best["lightning_no_arbiter"]
-                                                            / best["lightning_arbiter_every_step"])
+        out["arbiter_overhead_ratio_default_best_of"] = best_of("lightning_no_arbiter", "lightning")
+        out["arbiter_overhead_ratio_every_step_best_of"] = best_of("lightning_no_arbiter", "lightning_arbiter_every_step")
         out["arbiter_every_n_steps_default"] = int(cfg.callbacks.gradient_flow.every_n_steps)
         # the every-step sentinel's share of the default run's step time, timed within each run
         out["arbiter_sentinel_share"] = statistics.median(sentinel_share) if sentinel_share else None
@@ -255,7 +267,7 @@ def memory_child(impl: str, model: str, seq_len: int, batch_size: int) -> dict:
     cfg = make_cfg([f"model={model}", f"module.loss_impl={impl}"], Path(tempfile.gettempdir()))
     torch.manual_seed(0)
     net = instantiate(cfg.model)
-    net.loss_fn = loss_fn(impl, "cpu")
+    net.loss_fn = loss_fn(impl, "cpu", "32-true")
     x, y = torch.randint(0, net.config.vocab_size, (2, batch_size, seq_len))
     mask = document_mask(x, EOS_ID) if cfg.module.document_masking else None
     base = _rss_mib("VmRSS")
@@ -263,27 +275,33 @@ def memory_child(impl: str, model: str, seq_len: int, batch_size: int) -> dict:
     return {"impl": impl, "baseline_mib": base, "peak_mib": _rss_mib("VmHWM"), "growth_mib": _rss_mib("VmHWM") - base}
 
 
+MEMORY_IMPLS = ("plain", "chunked", "fused")
+
+
 def loss_memory(args) -> dict:
-    """Peak memory of one forward+backward, plain vs chunked loss, each in its own process,
-    alternated ``--memory-reps`` times: ``chunked_vs_plain`` is the median paired ratio of the
-    growth above the model's resident memory."""
+    """Peak memory of one forward+backward with each loss (fp32), each in its own process, in a
+    rotating order over ``--memory-reps`` repetitions: ``<impl>_vs_plain`` is the median ratio of
+    the growth above the model's resident memory, paired within a repetition."""
     import subprocess
 
-    runs: dict[str, list[dict]] = {"plain": [], "chunked": []}
+    runs: dict[str, list[dict]] = {impl: [] for impl in MEMORY_IMPLS}
     for rep in range(args.memory_reps):
-        for impl in (("plain", "chunked") if rep % 2 == 0 else ("chunked", "plain")):
+        k = rep % len(MEMORY_IMPLS)
+        for impl in MEMORY_IMPLS[k:] + MEMORY_IMPLS[:k]:
             cmd = [sys.executable, __file__, "--memory-child", impl, "--model", args.memory_model,
                    "--seq-len", str(args.memory_seq_len), "--batch-size", str(args.memory_batch_size)]
             r = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
             runs[impl].append(r)
             print(f"memory rep {rep + 1}/{args.memory_reps} {impl:8s} peak growth {r['growth_mib']:8.0f} MiB",
                   file=sys.stderr, flush=True)
-    ratios = [c["growth_mib"] / p["growth_mib"] for p, c in zip(runs["plain"], runs["chunked"])]
-    return {"model": args.memory_model, "seq_len": args.memory_seq_len, "batch_size": args.memory_batch_size,
-            "what": "peak RSS growth over one forward+backward, above the resident model and batch",
-            "plain_growth_mib": statistics.median(r["growth_mib"] for r in runs["plain"]),
-            "chunked_growth_mib": statistics.median(r["growth_mib"] for r in runs["chunked"]),
-            "chunked_vs_plain": statistics.median(ratios), "runs": runs}
+    out = {"model": args.memory_model, "seq_len": args.memory_seq_len, "batch_size": args.memory_batch_size,
+           "what": "peak RSS growth over one forward+backward, above the resident model and batch"}
+    for impl in MEMORY_IMPLS:
+        out[f"{impl}_growth_mib"] = statistics.median(r["growth_mib"] for r in runs[impl])
+    for impl in MEMORY_IMPLS[1:]:
+        out[f"{impl}_vs_plain"] = statistics.median(
+            r["growth_mib"] / p["growth_mib"] for p, r in zip(runs["plain"], runs[impl]))
+    return {**out, "runs": runs}
 
 
 def cuda_bench(args, run_root: Path) -> dict:
@@ -358,16 +376,20 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--steps", type=int, default=None, help="timed optimizer steps (CPU 100, CUDA 20)")
     ap.add_argument("--reps", type=int, default=3, help="CPU: alternated repetitions")
     ap.add_argument("--threads", type=int, default=None, help="CPU: torch threads")
+    ap.add_argument("--variants", type=lambda v: v.split(","), default=None,
+                    help="CPU: only these Lightning variants beside raw and lightning (comma-separated: "
+                         "lightning_masking_flipped, lightning_chunked_loss, lightning_fused_loss, lightning_no_arbiter, "
+                         "lightning_arbiter_every_step); figures of the others are null")
     ap.add_argument("--parity", action="store_true", help="CUDA: keep the arbiter's fp32 parity probe")
     ap.add_argument("--cpu", action="store_true", help="run the CPU benchmark even if CUDA is available")
     ap.add_argument("--override", action="append", default=[], help="extra Hydra override (repeatable); on CUDA "
                     "e.g. --override module.loss_impl=fused --override module.sdpa_backend=cudnn")
     ap.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True,
-                    help="CPU: also measure the peak memory of plain vs chunked loss (subprocesses)")
+                    help="CPU: also measure the peak memory of the plain, chunked and fused loss (subprocesses)")
     ap.add_argument("--memory-model", default="25m", help="CPU memory check: preset (default 25m)")
     ap.add_argument("--memory-seq-len", type=int, default=512, help="CPU memory check: sequence length (default 512)")
     ap.add_argument("--memory-batch-size", type=int, default=8, help="CPU memory check: micro-batch size (default 8)")
-    ap.add_argument("--memory-reps", type=int, default=2, help="alternated plain/chunked pairs")
+    ap.add_argument("--memory-reps", type=int, default=2, help="repetitions of plain/chunked/fused, rotated")
     ap.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.memory_child:
@@ -408,13 +430,14 @@ def main(argv: list[str] | None = None) -> dict:
               f"of step time (timed within the default runs)")
         print(f"  data loader share of raw step time {100 * result['data_loader_share']:.1f}%; "
               f"Lightning data wait {fmt(result['lightning_data_wait_pct'], '.1f')}%")
-        print(f"  document masking step-time ratio {result['document_masking_step_time_ratio']:.3f}; chunked loss "
-              f"step-time ratio {result['chunked_loss_step_time_ratio']:.3f}")
+        print(f"  document masking step-time ratio {fmt(result['document_masking_step_time_ratio'], '.3f')}; step-time "
+              f"ratio to the {result['loss_impl']} loss: chunked {fmt(result['chunked_loss_step_time_ratio'], '.3f')}, "
+              f"fused {fmt(result['fused_loss_step_time_ratio'], '.3f')}")
         if result.get("loss_memory"):
             m = result["loss_memory"]
             print(f"  peak memory of one forward+backward ({m['model']}, seq {m['seq_len']}, batch {m['batch_size']}): "
-                  f"plain +{m['plain_growth_mib']:.0f} MiB, chunked +{m['chunked_growth_mib']:.0f} MiB, "
-                  f"chunked_vs_plain {m['chunked_vs_plain']:.2f}")
+                  f"plain +{m['plain_growth_mib']:.0f} MiB, chunked +{m['chunked_growth_mib']:.0f} MiB "
+                  f"({m['chunked_vs_plain']:.2f}x), fused +{m['fused_growth_mib']:.0f} MiB ({m['fused_vs_plain']:.2f}x)")
         print(f"  MFU {result['mfu_cpu_pct_lightning']:.2f}% (raw {result['mfu_cpu_pct_raw']:.2f}%) of the measured "
               f"matmul peak {result['peak_flops'] / 1e9:.1f} GFLOP/s")
     return result

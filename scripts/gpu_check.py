@@ -10,7 +10,8 @@ On a CUDA machine (under 8 minutes on one H100):
 3. ``fsdp_2gpu``: ``model=400m trainer=fsdp trainer.devices=2`` for a few steps, when 2 GPUs exist;
 4. with ``--switches``: ``bench_loss_<plain|chunked|fused>`` and ``bench_sdpa_<auto|cudnn|flash|efficient>``
    (document masking off: it runs flex attention, not SDPA), each line with its MFU and the
-   attention kernel that ran (``fused`` fails in one line where liger-kernel is not installed).
+   attention kernel that ran; ``fused`` (torch's ``F.linear_cross_entropy``, refused under bf16) runs
+   at ``trainer.precision=32-true``, beside ``bench_loss_chunked_32`` at the same precision.
 
 Each line carries ``ok``, ``tokens_per_s``, ``mfu_pct``, ``peak_memory_gib``, ``parity`` (the
 gradient-flow arbiter's fast-path verdict line) and the run's ``fast_path`` line, read from the
@@ -52,7 +53,10 @@ def plan(args, root: Path, n_gpus: int) -> list[tuple[str, list[str], Path | Non
     if args.switches:  # MFU of each module.loss_impl, then each SDPA kernel (causal: masking uses flex attention)
         bench = checks[1][1]
         checks += [(f"bench_loss_{impl}", [*bench, f"--override=module.loss_impl={impl}"], None)
-                   for impl in ("plain", "chunked", "fused")]
+                   for impl in ("plain", "chunked")]
+        # fused is correct at fp32 only (bnlit.loss.FUSED_PRECISIONS): compare it with chunked there
+        checks += [(name, [*bench, f"--override=module.loss_impl={impl}", "--override=trainer.precision=32-true"], None)
+                   for name, impl in (("bench_loss_fused", "fused"), ("bench_loss_chunked_32", "chunked"))]
         checks += [(f"bench_sdpa_{b}", [*bench, "--override=module.document_masking=false",
                                         f"--override=module.sdpa_backend={b}"], None)
                    for b in ("auto", "cudnn", "flash", "efficient")]
@@ -90,7 +94,7 @@ def read_run(run_dir: Path) -> dict:
 
 def read_bench(stdout: str) -> dict:
     r = json.loads(stdout[stdout.index("{"):])
-    keys = ("device", "tokens_per_s", "mfu_pct", "peak_memory_gib", "micro_batch", "seq_len", "loss_impl",
+    keys = ("device", "tokens_per_s", "mfu_pct", "peak_memory_gib", "micro_batch", "seq_len", "precision", "loss_impl",
             "sdpa_backend", "document_masking", "attention_kernel")
     return {k: r.get(k) for k in keys} | {
         "parity": "probe off in the bench (the train_h100 check runs it)"}

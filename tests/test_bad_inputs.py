@@ -235,6 +235,12 @@ BAD_VALUES = [
     (["tokenizer.model_type=wordpiece"], "tokenizer.model_type='wordpiece': must be bpe or unigram; use bpe"),
     (["module.sdpa_backend=fast"], "module.sdpa_backend='fast': must be one of auto, flash, efficient, math, cudnn; "
                                    "use auto unless you are pinning a CUDA kernel"),
+    (["module.loss_impl=fused", "trainer.precision=bf16-mixed"],
+     "module.loss_impl=fused at trainer.precision=bf16-mixed: torch's F.linear_cross_entropy accumulates the bf16 "
+     "mean loss and weight gradient across chunks in bf16 (measured at 2,048 rows: loss 0.19 nats off, weight "
+     "gradient 3.2% off against 0.28% for plain); use module.loss_impl=chunked (fp32 accumulation) or "
+     "trainer.precision=32-true"),
+    (["module.loss_impl=sparse"], "module.loss_impl='sparse': use one of ['plain', 'chunked', 'fused']"),
     (["callbacks.gradient_flow.every_n_steps=0"], "callbacks.gradient_flow.every_n_steps=0: must be >= 1"),
     (["callbacks.gradient_flow.on_fail=ignore"], "callbacks.gradient_flow.on_fail='ignore': use 'raise' or 'warn'"),
     (["callbacks.throughput.on_low_mfu=stop"], "callbacks.throughput.on_low_mfu='stop': use 'warn' or 'raise'"),

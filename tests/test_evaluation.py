@@ -312,3 +312,26 @@ def test_callback_rejects_bad_settings():
         RandomTwinNLL(max_tokens=1)
     with pytest.raises(ConfigError, match="every_n_validations"):
         RandomTwinNLL(every_n_validations=-1)
+
+
+def test_held_out_documents_are_the_runs_validation_split(tmp_path):
+    from bnlit.data.report import REPORT_JSON, held_out_documents
+    from bnlit.data.shards import is_validation
+    from bnlit.errors import DataError
+
+    clean = tmp_path / "clean"
+    clean.mkdir()
+    docs = {name: [f"{name} দলিল {i}" for i in range(40)] for name in ("bn_a", "bn_b", "en_a")}
+    for name, texts in docs.items():
+        (clean / f"{name}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    run = tmp_path / "run"
+    run.mkdir()
+    with pytest.raises(DataError, match="no data report"):
+        held_out_documents(run, "bn")
+    sources = {"bn_a": {"language": "bn"}, "bn_b": {"language": "bn"}, "en_a": {"language": "en"}}
+    (run / REPORT_JSON).write_text(json.dumps({"clean_dir": str(clean), "val_fraction": 0.3, "sources": sources}))
+    got = held_out_documents(run, "bn")
+    want = [t for name in ("bn_a", "bn_b") for t in docs[name] if is_validation(t, 0.3)]
+    assert got == want and 0 < len(got) < 80
+    with pytest.raises(DataError, match="--held-out ta: the run has no ta source"):
+        held_out_documents(run, "ta")

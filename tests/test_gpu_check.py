@@ -30,6 +30,17 @@ def test_dry_run_prints_one_json_line_per_check():
     assert {"trainer=fsdp", "trainer.devices=2"} <= set(lines[2]["command"])
 
 
+def test_switches_bench_each_loss_impl_and_fused_at_fp32():
+    out = run("--dry-run", "--switches", "--out", "/tmp/x")
+    assert out.returncode == 0, out.stderr
+    checks = {l["check"]: l["command"] for l in map(json.loads, out.stdout.splitlines())}
+    assert "--override=module.loss_impl=plain" in checks["bench_loss_plain"]
+    # torch's linear_cross_entropy is refused under bf16: fused and its chunked twin run at 32-true
+    for name, impl in (("bench_loss_fused", "fused"), ("bench_loss_chunked_32", "chunked")):
+        assert {f"--override=module.loss_impl={impl}", "--override=trainer.precision=32-true"} <= set(checks[name])
+    assert "--override=module.sdpa_backend=cudnn" in checks["bench_sdpa_cudnn"]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
 def test_without_cuda_it_fails_fast_with_one_line():
     out = run()

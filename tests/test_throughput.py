@@ -308,7 +308,9 @@ def test_bench_script_runs_on_cpu(cache_dir, capsys):
     assert printed["lightning_vs_raw"] == pytest.approx(out["lightning_vs_raw"])
     for k in ("tokens_per_s_raw", "tokens_per_s_lightning", "lightning_vs_raw", "arbiter_overhead_ratio_default",
               "arbiter_overhead_ratio_every_step", "data_loader_share", "mfu_cpu_pct_lightning",
-              "document_masking_step_time_ratio", "chunked_loss_step_time_ratio"):
+              "document_masking_step_time_ratio", "chunked_loss_step_time_ratio", "fused_loss_step_time_ratio"):
         assert printed[k] is not None and printed[k] > 0, k
     memory = printed["loss_memory"]
-    assert memory["plain_growth_mib"] > 0 and memory["chunked_growth_mib"] > 0 and memory["chunked_vs_plain"] > 0
+    for impl in ("plain", "chunked", "fused"):
+        assert memory[f"{impl}_growth_mib"] > 0, impl
+    assert memory["chunked_vs_plain"] > 0 and memory["fused_vs_plain"] > 0
