@@ -16,7 +16,6 @@ import collections
 import logging
 import math
 import time
-from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -24,42 +23,13 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
-from bnlit.gradient_flow import (
-    MAX_DEFERRED,
-    PROBE_HOOK,
-    REPORT_NAME,
-    ArbiterSettings,
-    GradientFlowError,
-    GradientSentinel,
-    allowed,
-    embedding_row_exempt,
-    failure_report,
-    fast_path_parity,
-    gradient_flow_report,
-    param_group_report,
-    sentinel_findings,
-    slice_batch,
-    snapshot_parameters,
-    total_grad_norm,
-    unique_trainable,
-    update_flow_report,
-)
+from bnlit import gradient_flow as gf
+from bnlit.checkpointing import sharded_strategy, trainer_checkpoint_dir
 from bnlit.run_report import log_metrics, write_json_atomic
 
+GradientFlowError = gf.GradientFlowError  # raised here, defined with the checks
 __all__ = ["GradientFlowArbiter", "GradientFlowError"]
 log = logging.getLogger("bnlit")
-
-
-def checkpoint_dir(trainer: L.Trainer) -> Path:
-    """Where the checkpoints go: the ModelCheckpoint's dirpath, else ``<root>/checkpoints``."""
-    dirpath = getattr(trainer.checkpoint_callback, "dirpath", None)
-    return Path(dirpath) if dirpath else Path(trainer.default_root_dir) / "checkpoints"
-
-
-def _is_sharded(trainer: L.Trainer) -> bool:
-    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
-
-    return isinstance(trainer.strategy, (FSDPStrategy, ModelParallelStrategy))
 
 
 def _found_inf(trainer: L.Trainer) -> torch.Tensor | None:
@@ -74,14 +44,14 @@ class GradientFlowArbiter(Callback):
     allow), kept as ``self.settings``."""
 
     def __init__(self, **settings: Any):
-        self.settings = ArbiterSettings(**settings)
+        self.settings = gf.ArbiterSettings(**settings)
         self.checks = 0  # full checks run in this fit
         self.sentinel_trips = 0  # full checks the sentinel asked for
         self.sentinel_seconds, self.sentinel_steps = 0.0, 0  # its own cost, for scripts/bench.py
         self.skipped_steps = 0  # steps with no gradient at all (dropped by the NaN guard): not judged
         self.last_report: dict[str, Any] | None = None
         self._batches: collections.deque = collections.deque(maxlen=64)  # this step's micro-batches
-        self._sentinel = GradientSentinel(self.settings.vanishing_factor)
+        self._sentinel = gf.GradientSentinel(self.settings.vanishing_factor)
         self._grouped: list[tuple[str, torch.Tensor]] = []
         self._snapshot = self._spare = None
         self._snapshot_step = self._seen_step = -1
@@ -98,13 +68,13 @@ class GradientFlowArbiter(Callback):
 
     def _parity_due(self, trainer: L.Trainer, step: int) -> bool:
         s = self.settings
-        if not s.fast_path_parity or _is_sharded(trainer):
+        if not s.fast_path_parity or sharded_strategy(trainer.strategy):
             return False  # FSDP: the eager reference would need the whole unsharded model
         return not self._parity_done or (s.parity_every_n_steps is not None and step % s.parity_every_n_steps == 0)
 
     def _fail(self, trainer: L.Trainer, step: int, check: str, findings: list[dict], payload: dict) -> None:
-        path = checkpoint_dir(trainer) / REPORT_NAME
-        self.last_report, message = failure_report(check, step, findings, payload, path)
+        path = trainer_checkpoint_dir(trainer) / gf.REPORT_NAME
+        self.last_report, message = gf.failure_report(check, step, findings, payload, path)
         if trainer.is_global_zero:
             write_json_atomic(path, self.last_report)
         if self.settings.on_fail == "raise":
@@ -116,15 +86,15 @@ class GradientFlowArbiter(Callback):
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.checks, self.sentinel_trips, self._parity_done, self._seen_step, self._deferred = 0, 0, False, -1, 0
         self.sentinel_seconds, self.sentinel_steps, self.skipped_steps, self._pending = 0.0, 0, 0, False
-        self._sentinel = GradientSentinel(self.settings.vanishing_factor, sharded=_is_sharded(trainer))
+        self._sentinel = gf.GradientSentinel(self.settings.vanishing_factor, sharded=sharded_strategy(trainer.strategy))
         self._batches.clear()
         ids = {id(p) for opt in trainer.optimizers for g in opt.param_groups for p in g["params"]}
         self._grouped = [(n, p) for n, p in pl_module.named_parameters() if id(p) in ids]
-        if self.settings.fast_path_parity and not callable(getattr(pl_module, PROBE_HOOK, None)) \
+        if self.settings.fast_path_parity and not callable(getattr(pl_module, gf.PROBE_HOOK, None)) \
                 and trainer.is_global_zero:
             log.info("fast-path parity: skipped, %s has no %s(batch) -> loss hook "
-                     "(see the README, \"Gradient flow (the arbiter)\")", type(pl_module).__name__, PROBE_HOOK)
-        report = param_group_report(pl_module.named_parameters(), trainer.optimizers, self.settings.allow)
+                     "(see the README, \"Gradient flow (the arbiter)\")", type(pl_module).__name__, gf.PROBE_HOOK)
+        report = gf.param_group_report(pl_module.named_parameters(), trainer.optimizers, self.settings.allow)
         reduce = self._reduce(trainer)
         if reduce is not None:
             bad = reduce(torch.tensor([0.0 if report.ok else 1.0], device=pl_module.device), "sum").item()
@@ -156,7 +126,7 @@ class GradientFlowArbiter(Callback):
         last = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
         due = (self.checks == 0 or self._deferred > 0 or self._pending
                or step % self.settings.every_n_steps == 0 or step == last)
-        if all(p.grad is None for _, p in unique_trainable(pl_module.named_parameters())[0]):
+        if all(p.grad is None for _, p in gf.unique_trainable(pl_module.named_parameters())[0]):
             # a step dropped by design (the NaN guard's skip policy sets every .grad to None; a loss
             # with no graph fails in backward instead): nothing to judge, a due check runs next step
             self._pending, self.skipped_steps = self._pending or due, self.skipped_steps + 1
@@ -175,7 +145,7 @@ class GradientFlowArbiter(Callback):
         # a step the NaN guard skips on the device (fused AdamW's found_inf) is the guard's to report
         norm = self._sentinel.observe(pl_module.named_parameters(), step, _found_inf(trainer)) if sentinel else None
         if logging_step:
-            norm = norm if sentinel else total_grad_norm(pl_module.named_parameters())
+            norm = norm if sentinel else gf.total_grad_norm(pl_module.named_parameters())
             if norm is not None:
                 pl_module.log("grad/norm", norm, on_step=True, on_epoch=False)
         if not sentinel:
@@ -196,28 +166,30 @@ class GradientFlowArbiter(Callback):
         if nonfinite and skipped is not None and scaler is None and bool(skipped.item()):
             log.warning("gradient flow: non-finite gradients at step %d; the NaN guard skips this step", step)
             return True
-        if nonfinite and scaler is not None and self._deferred < MAX_DEFERRED:
+        if nonfinite and scaler is not None and self._deferred < gf.MAX_DEFERRED:
             self._deferred += 1
             log.warning("gradient flow: non-finite fp16 gradients at step %d (loss-scale overflow %d/%d); the "
-                        "scaler skips this step, checking again at step %d", step, self._deferred, MAX_DEFERRED, step + 1)
+                        "scaler skips this step, checking again at step %d", step, self._deferred, gf.MAX_DEFERRED, step + 1)
             return True
         self._deferred = 0
         return False
 
     def _full_check(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int, reduce) -> None:
         s, named = self.settings, list(pl_module.named_parameters())
-        membership = param_group_report(named, trainer.optimizers, s.allow)
-        report = gradient_flow_report(named, reduce=reduce, sharded=_is_sharded(trainer), world_size=trainer.world_size,
-                                      vanishing_factor=s.vanishing_factor, dead_row_share=s.dead_row_share,
-                                      row_exempt=embedding_row_exempt(pl_module, list(self._batches)), allow=s.allow)
+        membership = gf.param_group_report(named, trainer.optimizers, s.allow)
+        report = gf.gradient_flow_report(
+            named, reduce=reduce, sharded=sharded_strategy(trainer.strategy), world_size=trainer.world_size,
+            vanishing_factor=s.vanishing_factor, dead_row_share=s.dead_row_share,
+            row_exempt=gf.embedding_row_exempt(pl_module, list(self._batches)), allow=s.allow)
         seen = self._sentinel.findings(reduce) if s.sentinel else {}
         self._sentinel.reset()
         if self._defer(trainer, step, bool(report.nonfinite)):
             return
         self.checks += 1
-        self._sentinel.set_weight_norms(report.weight_norms, [n for n in report.names if allowed(n, s.allow.get("vanishing"))])
+        exempt = [n for n in report.names if gf.allowed(n, s.allow.get("vanishing"))]
+        self._sentinel.set_weight_norms(report.weight_norms, exempt)
         findings = [{**f, "step": step} for f in membership.findings() + report.findings()]
-        findings += sentinel_findings(seen, {f["parameter"] for f in findings}, step)
+        findings += gf.sentinel_findings(seen, {f["parameter"] for f in findings}, step)
         payload: dict[str, Any] = {"step": step, "gradients": report.to_dict(), "param_groups": membership.to_dict(),
                                    "sentinel": {n: {"category": c, "first_step": f} for n, (c, f) in seen.items()}}
         if self.checks == 1 and trainer.is_global_zero:
@@ -235,28 +207,29 @@ class GradientFlowArbiter(Callback):
         if s.log_param_norms:
             log_metrics(trainer, {f"grad/{n}": v for n, v in report.norms.items() if math.isfinite(v)})
         if s.check_updates:
-            self._snapshot = snapshot_parameters(named, trainer.optimizers, reuse=self._spare)
+            self._snapshot = gf.snapshot_parameters(named, trainer.optimizers, reuse=self._spare)
             self._snapshot_step = step
 
     def _parity(self, trainer: L.Trainer, pl_module: L.LightningModule, reduce, step: int) -> list[dict]:
         """Run the probe; a probe that cannot run is logged and skipped, never a crash, and never
         hides the verdict the gradient check already reached."""
         self._parity_done, s = True, self.settings
-        hook = getattr(pl_module, PROBE_HOOK, None)
+        hook = getattr(pl_module, gf.PROBE_HOOK, None)
         if not callable(hook) or not self._batches:
-            self._parity_report = {"step": step, "skipped": f"no {PROBE_HOOK}(batch) hook" if not callable(hook) else "no batch"}
+            why = f"no {gf.PROBE_HOOK}(batch) hook" if not callable(hook) else "no batch"
+            self._parity_report = {"step": step, "skipped": why}
             return []
-        probe = slice_batch(self._batches[-1], s.probe_samples, s.probe_seq_len)
+        probe = gf.slice_batch(self._batches[-1], s.probe_samples, s.probe_seq_len)
         was_training = pl_module.training
         try:
-            parity = fast_path_parity(pl_module, probe, hook, fast_context=trainer.precision_plugin.forward_context(),
+            parity = gf.fast_path_parity(pl_module, probe, hook, fast_context=trainer.precision_plugin.forward_context(),
                                       min_cosine=s.min_cosine, max_rel_norm_error=s.max_rel_norm_error, reduce=reduce)
         except Exception as e:  # noqa: BLE001 -- a diagnostic must not take the run down
             reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             self._parity_report = {"step": step, "skipped": reason}
             if trainer.is_global_zero:
                 log.warning("fast-path parity: probe skipped at step %d, %s.%s raised %s",
-                            step, type(pl_module).__name__, PROBE_HOOK, reason)
+                            step, type(pl_module).__name__, gf.PROBE_HOOK, reason)
             return []
         finally:
             pl_module.train(was_training)
@@ -275,8 +248,8 @@ class GradientFlowArbiter(Callback):
             return  # still accumulating micro-batches of the snapshot's step
         snapshot, step, self._snapshot = self._snapshot, self._snapshot_step, None
         self._spare = snapshot  # its buffers are refilled at the next check
-        report = update_flow_report(snapshot, pl_module.named_parameters(), reduce=self._reduce(trainer),
-                                    sharded=_is_sharded(trainer), world_size=trainer.world_size)
+        report = gf.update_flow_report(snapshot, pl_module.named_parameters(), reduce=self._reduce(trainer),
+                                    sharded=sharded_strategy(trainer.strategy), world_size=trainer.world_size)
         payload = {**self._payload, "updates": report.to_dict()}
         payload["ok"] = payload["ok"] and report.ok
         if self.checks == 1 and trainer.is_global_zero:
