@@ -30,6 +30,15 @@ Checkpoint hygiene and interrupt-safe stops.
 - SIGTERM, SIGUSR1/2 and Ctrl-C are latched (:class:`SignalLatch`): the run finishes the optimizer
   step it is in, every rank agrees on that step, a checkpoint is written atomically, and the run
   stops with :class:`Interrupted`. ``callbacks/interrupt.py`` is the Lightning adapter.
+
+**The callback** (``bnlit.callbacks.interrupt``). Interrupt-safe runs: on SIGTERM, SIGUSR1/2 or Ctrl-C the run finishes the optimizer step it is
+in, writes an atomic checkpoint of that step, flushes the loggers and stops with
+``interrupted at step N: saved checkpoints/stepNNNNNNN.ckpt; resume with ckpt_path=last ...``.
+A SLURM job stopped by a requeue signal is requeued and continues by itself. The signal
+bookkeeping and the checkpoint hygiene are plain functions in :mod:`bnlit.checkpointing`.
+
+Cost: nothing per step on one process; one all-reduce of an int under torch.distributed, so
+that every rank stops after the same step (Lightning itself broadcasts a flag per step there).
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""Interrupt-safe runs: on SIGTERM, SIGUSR1/2 or Ctrl-C the run finishes the optimizer step it is
-in, writes an atomic checkpoint of that step, flushes the loggers and stops with
-``interrupted at step N: saved checkpoints/stepNNNNNNN.ckpt; resume with ckpt_path=last ...``.
-A SLURM job stopped by a requeue signal is requeued and continues by itself. The signal
-bookkeeping and the checkpoint hygiene are plain functions in :mod:`bnlit.checkpointing`.
-
-Cost: nothing per step on one process; one all-reduce of an int under torch.distributed, so
-that every rank stops after the same step (Lightning itself broadcasts a flag per step there)."""
+"""``InterruptCheckpoint``: on SIGTERM, SIGUSR1/2 or Ctrl-C finish the optimizer step, write an
+atomic checkpoint of it, flush the loggers and stop (a SLURM job on a requeue signal is requeued);
+the signal bookkeeping and checkpoint hygiene are :mod:`bnlit.checkpointing` (cost: its docstring)."""
 
 from __future__ import annotations
 
