@@ -489,6 +489,16 @@ def sharded_strategy(strategy: Any) -> bool:
     return issubclass(strategy_class(strategy), (FSDPStrategy, ModelParallelStrategy))
 
 
+def step_checkpoint_path(checkpoint_callback: Any, dirpath: Path, step: int, epoch: int) -> Path:
+    """The file a checkpoint of ``step`` goes to: the ModelCheckpoint's own name for it when one
+    names the place (``step0000037.ckpt``), else ``dirpath/step<step:07d>.ckpt``."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    if isinstance(checkpoint_callback, ModelCheckpoint) and checkpoint_callback.dirpath:
+        return Path(checkpoint_callback.format_checkpoint_name({"step": step, "epoch": epoch}))
+    return Path(dirpath) / f"step{step:07d}.ckpt"
+
+
 def trainer_checkpoint_dir(trainer: Any) -> Path:
     """Where a running Trainer's checkpoints go: its ModelCheckpoint's dirpath, else
     ``<default_root_dir>/checkpoints``."""
