@@ -472,6 +472,21 @@ def strategy_class(strategy: Any) -> type[Strategy]:
     return Strategy
 
 
+def sharded_strategy(strategy: Any) -> bool:
+    """Whether ``strategy`` (as :func:`strategy_class` reads it) shards parameters across ranks
+    (FSDP, ModelParallel): each rank then holds a shard of every parameter and of its gradient."""
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+    return issubclass(strategy_class(strategy), (FSDPStrategy, ModelParallelStrategy))
+
+
+def trainer_checkpoint_dir(trainer: Any) -> Path:
+    """Where a running Trainer's checkpoints go: its ModelCheckpoint's dirpath, else
+    ``<default_root_dir>/checkpoints``."""
+    dirpath = getattr(trainer.checkpoint_callback, "dirpath", None)
+    return Path(dirpath) if dirpath else Path(trainer.default_root_dir) / "checkpoints"
+
+
 def loads_through_checkpoint_io(strategy: Any) -> bool:
     """Whether the strategy reads a checkpoint file through its ``CheckpointIO`` (so a
     preloaded checkpoint is used), rather than its own ``load_checkpoint`` (FSDP, DeepSpeed)."""

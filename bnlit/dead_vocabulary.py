@@ -96,3 +96,38 @@ def format_report(report: dict) -> str:
                      f"[by script: {langs}; also {r['by_kind']['byte']} byte and {r['by_kind']['special']} "
                      f"special pieces]" + (f"; e.g. {' '.join(r['sample'][:10])}" if r["sample"] else ""))
     return "\n".join(lines)
+
+
+def training_counts(datamodule, chunk_tokens: int = 1 << 24) -> dict[str, np.ndarray]:
+    """Per language, how often each token id occurs in the training shards (read in chunks)."""
+    from bnlit.data.shards import read_tokens
+
+    V = datamodule.tokenizer.vocab_size
+    out: dict[str, np.ndarray] = {}
+    for name, entry in datamodule.index["sources"].items():
+        counts = out.setdefault(entry["language"], np.zeros(V, dtype=np.int64))
+        tokens = read_tokens(datamodule.shard_dir, datamodule.index, name, "train")
+        for start in range(0, len(tokens), chunk_tokens):
+            counts += np.bincount(np.asarray(tokens[start:start + chunk_tokens], dtype=np.int64), minlength=V)
+    return out
+
+
+LISTS = ("never_in_training", "never_looked_up")
+
+
+def dead_vocabulary_metrics(report: Mapping) -> dict[str, float]:
+    """The ``vocab/`` metrics of a :func:`dead_vocabulary` report: pieces and share per list."""
+    out = {}
+    for key in LISTS:
+        if report.get(key) is not None:
+            out |= {f"vocab/{key}": report[key]["pieces"], f"vocab/{key}_share": report[key]["pieces_share"]}
+    return out
+
+
+def dead_vocabulary_table(report: Mapping) -> tuple[list[str], list[list]]:
+    """Columns and rows of ``vocab/dead``: one row per list."""
+    columns = ["list", "pieces", "share", "byte_pieces", "special_pieces", "by_script", "sample"]
+    rows = [[key, r["pieces"], r["pieces_share"], r["by_kind"]["byte"], r["by_kind"]["special"],
+             ", ".join(f"{k} {v}" for k, v in r["by_language"].items()), " ".join(r["sample"])]
+            for key in LISTS if (r := report.get(key)) is not None]
+    return columns, rows

@@ -368,3 +368,35 @@ def premium_verdicts(premium: Mapping[str, float], band: Sequence[float] = DEFAU
                    f"tokenizer with more {starved} text (tokenizer.lang_weights {{{starved}: more, {fed}: less}}) "
                    f"or widen callbacks.fertility.premium_band")
     return out
+
+
+def fertility_metrics(val: Mapping[str, dict], mixture: Mapping | None, parallel: Mapping[str, dict] | None) -> dict[str, float]:
+    """The ``tok/`` metrics of a held-out measurement (:func:`heldout_fertility`), the data
+    module's ``mixture`` shares and a parallel-text :func:`report`."""
+    metrics = {}
+    for lang, v in (parallel or {}).items():
+        metrics[f"tok/{lang}_parallel_chars_per_token"] = v["chars_per_token"]
+        metrics[f"tok/{lang}_parallel_premium"] = v["premium"]
+    for lang, v in val.items():
+        metrics[f"tok/{lang}_chars_per_token"] = v["chars_per_token"]
+        metrics[f"tok/{lang}_premium"] = v["premium"]
+        metrics[f"tok/{lang}_byte_fallback_rate"] = v["byte_fallback_rate"]
+        if mixture:
+            metrics[f"tok/{lang}_intended_share"] = mixture["intended"].get(lang, 0.0)
+            metrics[f"tok/{lang}_token_share"] = mixture["tokens"].get(lang, 0.0)
+            metrics[f"tok/{lang}_char_share"] = mixture["chars"].get(lang, 0.0)
+    return metrics
+
+
+def fertility_table(val: Mapping[str, dict], mixture: Mapping | None,
+                    parallel: Mapping[str, dict] | None) -> tuple[list[str], list[list]]:
+    """Columns and rows of ``tok/fertility``: one row per held-out language."""
+    columns = ["language", "chars_per_token", "premium", "byte_fallback_rate", "unk_rate", "intended_share",
+               "token_share", "char_share", "weight_unit", "parallel_chars_per_token", "parallel_premium"]
+    par = parallel or {}
+    rows = [[lang, v["chars_per_token"], v["premium"], v["byte_fallback_rate"], v["unk_rate"],
+             *((mixture["intended"].get(lang), mixture["tokens"].get(lang), mixture["chars"].get(lang),
+                mixture["unit"]) if mixture else (None, None, None, None)),
+             par.get(lang, {}).get("chars_per_token"), par.get(lang, {}).get("premium")]
+            for lang, v in val.items()]
+    return columns, rows

@@ -100,7 +100,7 @@ def sweep_group() -> str | None:
 # plot name -> predicate on a metric key
 PLOTS = {
     "loss": lambda k: k == "train/loss" or (k.startswith("val/") and k.endswith("loss")),
-    "mfu": lambda k: k == "perf/mfu",
+    "mfu": lambda k: k == "throughput/mfu",
     "fertility": lambda k: k.startswith("tok/") and k.endswith("chars_per_token"),
     "twin_gap": lambda k: k.startswith("twin/") and "gap" in k,
     # bigram minus trained bits/char per language: above zero once the model beats the bigram
@@ -288,7 +288,7 @@ def write_summary(run_dir: str | os.PathLike, metrics: Mapping[str, float] | Non
     if fast_path:
         lines += [f"{fast_path}", ""]
     if final:
-        headline = {k: v for k, v in final.items() if k in ("perf/tokens_per_s", "val/loss")
+        headline = {k: v for k, v in final.items() if k in ("throughput/tokens_per_s", "val/loss")
                     or any(wanted(k) for wanted in PLOTS.values())}
         # the step each value was logged at: a metric logged every N steps (grad/*) shows its last
         step = {k: v[-1][0] for k, v in series.items() if v}

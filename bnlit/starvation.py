@@ -69,3 +69,15 @@ def starvation_message(lang: str, trends: Mapping[str, LanguageTrend], patience:
             f"(best {t.best_before:.3f} before, {t.best_recent:.3f} since; step {step}) while {fed} did; "
             f"raise data.sources' weight for {lang}, check its tokenizer fertility, or set "
             "callbacks.starvation.on_starved=warn")
+
+
+def starvation_table(history: Mapping[str, Sequence[float]], trends: Mapping[str, LanguageTrend],
+                     starved: Mapping[str, int]) -> tuple[list[str], list[list]]:
+    """Columns and rows of ``starvation/table``: each language's first, best and last held-out
+    loss, whether it improved in the last window, and the step it was first found starved."""
+    columns = ["language", "first_val_loss", "best_before_window", "best_in_window", "last_val_loss",
+               "improved", "starved_at_step"]
+    rows = [[lang, series[0], t.best_before if t else None, t.best_recent if t else None, series[-1],
+             t.improved if t else None, starved.get(lang)]
+            for lang, series in history.items() for t in [trends.get(lang)]]
+    return columns, rows

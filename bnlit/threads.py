@@ -52,6 +52,17 @@ def choose_threads(setting: int | str, cpus: int, load: float | None) -> tuple[i
     raise ConfigError(f"threads={setting!r}: use auto or an integer >= 1, e.g. threads=1 on a busy machine")
 
 
+def rechoose_threads(cpus: int, load: float, current: int) -> tuple[int, str]:
+    """``(threads, why)`` for a running ``threads: auto`` process that uses ``current`` threads at
+    1-minute ``load``. Its own busy threads are part of the load, so the other jobs' share is
+    ``load - current``; the idle cores are what is left of ``cpus``, rounded, between 1 and ``cpus``.
+    (Without that correction a quiet machine would read its own 2 threads as 2 busy cores and
+    drop to 1.)"""
+    others = max(0.0, load - current)
+    idle = max(1, min(cpus, math.floor(cpus - others + 0.5)))
+    return idle, f"auto: {cpus} cores, load average {load:.2f} of which ~{others:.1f} other jobs leaves {idle} idle"
+
+
 def set_threads(setting: int | str) -> int:
     """Apply :func:`choose_threads` to torch and log the choice with the load; returns the count."""
     n, why = choose_threads(setting, available_cpus(), load_average())

@@ -1,5 +1,5 @@
-"""``FertilityCheck``: at the start of a run (the first ``fit``/``validate`` setup), measure each language's characters per token on its held-out
-slice, log it with the mixture's intended and delivered shares, and stop (or warn about) a run
+"""``FertilityCheck``: at the start of a run (the first ``fit``/``validate`` setup), measure each
+language's characters per token on its held-out slice, log it with the mixture's intended and delivered shares, and stop (or warn about) a run
 whose tokenizer starves a language or whose mixture no longer says what the config asked for.
 With ``parallel`` text configured it also measures the content-matched token premium and warns
 when it leaves ``premium_band``.
@@ -100,26 +100,5 @@ class FertilityCheck(L.Callback):
                                                           for k, v in val.items()))
 
     def _log(self, trainer: L.Trainer, val: dict, mixture: dict | None, parallel: dict | None = None) -> None:
-        metrics = {}
-        for lang, v in (parallel or {}).items():
-            metrics[f"tok/{lang}_parallel_chars_per_token"] = v["chars_per_token"]
-            metrics[f"tok/{lang}_parallel_premium"] = v["premium"]
-        for lang, v in val.items():
-            metrics[f"tok/{lang}_chars_per_token"] = v["chars_per_token"]
-            metrics[f"tok/{lang}_premium"] = v["premium"]
-            metrics[f"tok/{lang}_byte_fallback_rate"] = v["byte_fallback_rate"]
-            if mixture:
-                metrics[f"tok/{lang}_intended_share"] = mixture["intended"].get(lang, 0.0)
-                metrics[f"tok/{lang}_token_share"] = mixture["tokens"].get(lang, 0.0)
-                metrics[f"tok/{lang}_char_share"] = mixture["chars"].get(lang, 0.0)
-        log_metrics(trainer, metrics)
-        columns = ["language", "chars_per_token", "premium", "byte_fallback_rate", "unk_rate",
-                   "intended_share", "token_share", "char_share", "weight_unit",
-                   "parallel_chars_per_token", "parallel_premium"]
-        par = parallel or {}
-        rows = [[lang, v["chars_per_token"], v["premium"], v["byte_fallback_rate"], v["unk_rate"],
-                 *((mixture["intended"].get(lang), mixture["tokens"].get(lang), mixture["chars"].get(lang),
-                    mixture["unit"]) if mixture else (None, None, None, None)),
-                 par.get(lang, {}).get("chars_per_token"), par.get(lang, {}).get("premium")]
-                for lang, v in val.items()]
-        log_table(trainer, "tok/fertility", columns, rows)
+        log_metrics(trainer, fertility.fertility_metrics(val, mixture, parallel))
+        log_table(trainer, "tok/fertility", *fertility.fertility_table(val, mixture, parallel))

@@ -14,7 +14,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from bnlit.errors import ConfigError
 from bnlit.run_report import log_metrics, log_table
-from bnlit.starvation import LanguageStarvationError, starvation_message, starved_languages
+from bnlit.starvation import LanguageStarvationError, starvation_message, starvation_table, starved_languages
 
 ON_STARVED = ("warn", "raise")
 
@@ -61,14 +61,7 @@ class LanguageStarvation(L.Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not self.history:
             return
-        columns = ["language", "first_val_loss", "best_before_window", "best_in_window", "last_val_loss",
-                   "improved", "starved_at_step"]
-        rows = []
-        for lang, series in self.history.items():
-            t = self._trends.get(lang)
-            rows.append([lang, series[0], t.best_before if t else None, t.best_recent if t else None, series[-1],
-                         t.improved if t else None, self.starved.get(lang)])
-        log_table(trainer, "starvation/table", columns, rows)
+        log_table(trainer, "starvation/table", *starvation_table(self.history, self._trends, self.starved))
         verdict = ", ".join(f"{lang} {'STARVED at step ' + str(self.starved[lang]) if lang in self.starved else 'ok'}"
                             for lang in self.history)
         rank_zero_info(f"language starvation (patience {self.patience} validations): {verdict}")
