@@ -11,6 +11,15 @@ split hands English almost three quarters of the text. The functions here measur
 between the two units (:func:`token_weights_for_char_shares`, :func:`effective_shares`) and judge
 the result (:func:`floor_verdicts`, :func:`share_verdicts`); ``scripts/fertility.py`` and
 ``bnlit.callbacks.fertility`` are thin wrappers over them.
+
+**The callback** (``bnlit.callbacks.fertility``). ``FertilityCheck``: at the start of a run (the first ``fit``/``validate`` setup), measure each
+language's characters per token on its held-out slice, log it with the mixture's intended and delivered shares, and stop (or warn about) a run
+whose tokenizer starves a language or whose mixture no longer says what the config asked for.
+With ``parallel`` text configured it also measures the content-matched token premium and warns
+when it leaves ``premium_band``.
+
+The maths is :mod:`bnlit.fertility`; this callback only reads the data module's shard statistics
+(``split_stats``, ``val_tokens``, ``mixture``), logs, and decides whether to stop.
 """
 
 from __future__ import annotations
@@ -400,3 +409,27 @@ def fertility_table(val: Mapping[str, dict], mixture: Mapping | None,
              par.get(lang, {}).get("chars_per_token"), par.get(lang, {}).get("premium")]
             for lang, v in val.items()]
     return columns, rows
+
+
+def run_check(dm, floors: Mapping[str, float], max_factor: float, check_shares: bool,
+              parallel_texts: Mapping[str, Sequence[str]] | None, parallel_source: str,
+              premium_band: Sequence[float]) -> tuple[dict, list[str], list[str]]:
+    """The start-of-run check on a bnlit data module ``dm``: held-out characters per token against
+    ``floors``, the mixture's delivered shares against its intent (``check_shares``), and the
+    content-matched premium on ``parallel_texts`` against ``premium_band``. Returns the result
+    (``validation``, ``mixture``, ``parallel``), the problems (stop or warn) and the premium
+    warnings (never a stop)."""
+    stats = dm.split_stats("val").values()
+    val = heldout_fertility(stats, {st["language"]: dm.val_tokens(st["language"]) for st in stats}, dm.tokenizer)
+    mixture = getattr(dm, "mixture", None)
+    problems = floor_verdicts({k: v["chars_per_token"] for k, v in val.items()}, floors)
+    if mixture and check_shares:
+        cpt = {lang: chars_per_token(e["chars"], e["tokens"])
+               for lang, e in language_counts(dm.split_stats("train").values()).items()}
+        problems += share_verdicts(mixture["intended"], mixture["tokens"], mixture["chars"], cpt,
+                                   max_factor=max_factor, unit=mixture["unit"])
+    parallel, warnings = None, []
+    if parallel_texts:
+        parallel = report(parallel_texts, dm.tokenizer, parallel=True)
+        warnings = premium_verdicts({k: v["premium"] for k, v in parallel.items()}, premium_band, parallel_source)
+    return {"validation": val, "mixture": mixture, "parallel": parallel}, problems, warnings

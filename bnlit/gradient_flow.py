@@ -23,6 +23,17 @@ rank holds a shard of a parameter: a parameter is zero only when every shard is.
 The exactness matters: one fused L2-norm pass finds the candidates, and a candidate is called zero
 or non-finite only after an exact re-check -- the fp32 L2 norm underflows to 0 for gradients around
 1e-23 and overflows to Inf above 1e19.
+
+**The callback** (``bnlit.callbacks.gradient_flow``). ``GradientFlowArbiter``: turn a parameter that silently stops learning into a named error.
+
+A thin adapter over :mod:`bnlit.gradient_flow` (the checks, their settings and the report). At fit
+start it checks optimizer membership. Every optimizer step (``on_before_optimizer_step``: after the
+last micro-batch, after AMP unscaling, before clipping) the sentinel takes one fused norm pass,
+read every step on CPU and on logging steps on CUDA (the only host sync). At the first step, every
+``every_n_steps``, the last step and at once when the sentinel trips, the full check runs:
+gradients, membership, the fast path against the eager fp32 reference (first check) and, after
+the step, that each parameter changed. Every verdict is all-reduced, so under DDP/FSDP all ranks
+fail together. ``<checkpoint dir>/gradient_flow.json`` is written only when a check fails.
 """
 
 from __future__ import annotations
@@ -979,3 +990,25 @@ def failure_report(check: str, step: int, findings: list[dict], payload: dict, p
     report = {**payload, "step": step, "check": check, "ok": False, "findings": findings, "problems": problems}
     lines = "; ".join(f"{name} {why}" for name, why in problems.items())
     return report, f"{check} failed at step {step} for {len(problems)} parameter(s): {lines}. Full report: {path}"
+
+
+def parity_probe(module: nn.Module, batch, settings: ArbiterSettings, fast_context, reduce: Reduce | None,
+                 step: int, precision: str) -> tuple[dict, ParityReport | None]:
+    """:func:`fast_path_parity` on the first ``probe_samples`` x ``probe_seq_len`` of ``batch``
+    through ``module.loss_for_batch``, and its report entry. A probe that cannot run (no hook, no
+    batch, or the hook raised) gives ``{"step", "skipped": why}`` and None, never an exception:
+    a diagnostic must not take the run down, nor hide the gradient check's verdict."""
+    hook = getattr(module, PROBE_HOOK, None)
+    if not callable(hook) or batch is None:
+        return {"step": step, "skipped": f"no {PROBE_HOOK}(batch) hook" if not callable(hook) else "no batch"}, None
+    probe = slice_batch(batch, settings.probe_samples, settings.probe_seq_len)
+    was_training = module.training
+    try:
+        parity = fast_path_parity(module, probe, hook, fast_context=fast_context, min_cosine=settings.min_cosine,
+                                  max_rel_norm_error=settings.max_rel_norm_error, reduce=reduce)
+    except Exception as e:  # noqa: BLE001
+        reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        return {"step": step, "skipped": reason}, None
+    finally:
+        module.train(was_training)
+    return {"step": step, "precision": precision, **parity.to_dict()}, parity

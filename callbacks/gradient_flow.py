@@ -1,14 +1,6 @@
-"""``GradientFlowArbiter``: turn a parameter that silently stops learning into a named error.
-
-A thin adapter over :mod:`bnlit.gradient_flow` (the checks, their settings and the report). At fit
-start it checks optimizer membership. Every optimizer step (``on_before_optimizer_step``: after the
-last micro-batch, after AMP unscaling, before clipping) the sentinel takes one fused norm pass,
-read every step on CPU and on logging steps on CUDA (the only host sync). At the first step, every
-``every_n_steps``, the last step and at once when the sentinel trips, the full check runs:
-gradients, membership, the fast path against the eager fp32 reference (first check) and, after
-the step, that each parameter changed. Every verdict is all-reduced, so under DDP/FSDP all ranks
-fail together. ``<checkpoint dir>/gradient_flow.json`` is written only when a check fails.
-"""
+"""``GradientFlowArbiter``: turn a parameter that silently stops learning into a named error; a
+thin adapter that decides when the checks of :mod:`bnlit.gradient_flow` run (its docstring says
+when and why) and fails every rank together."""
 
 from __future__ import annotations
 
@@ -211,29 +203,16 @@ class GradientFlowArbiter(Callback):
             self._snapshot_step = step
 
     def _parity(self, trainer: L.Trainer, pl_module: L.LightningModule, reduce, step: int) -> list[dict]:
-        """Run the probe; a probe that cannot run is logged and skipped, never a crash, and never
-        hides the verdict the gradient check already reached."""
-        self._parity_done, s = True, self.settings
-        hook = getattr(pl_module, gf.PROBE_HOOK, None)
-        if not callable(hook) or not self._batches:
-            why = f"no {gf.PROBE_HOOK}(batch) hook" if not callable(hook) else "no batch"
-            self._parity_report = {"step": step, "skipped": why}
+        self._parity_done = True
+        batch = self._batches[-1] if self._batches else None
+        self._parity_report, parity = gf.parity_probe(pl_module, batch, self.settings,
+                                                      trainer.precision_plugin.forward_context(), reduce, step,
+                                                      str(trainer.precision))
+        if parity is None:
+            if trainer.is_global_zero and batch is not None and callable(getattr(pl_module, gf.PROBE_HOOK, None)):
+                log.warning("fast-path parity: probe skipped at step %d, %s.%s raised %s", step,
+                            type(pl_module).__name__, gf.PROBE_HOOK, self._parity_report["skipped"])
             return []
-        probe = gf.slice_batch(self._batches[-1], s.probe_samples, s.probe_seq_len)
-        was_training = pl_module.training
-        try:
-            parity = gf.fast_path_parity(pl_module, probe, hook, fast_context=trainer.precision_plugin.forward_context(),
-                                      min_cosine=s.min_cosine, max_rel_norm_error=s.max_rel_norm_error, reduce=reduce)
-        except Exception as e:  # noqa: BLE001 -- a diagnostic must not take the run down
-            reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            self._parity_report = {"step": step, "skipped": reason}
-            if trainer.is_global_zero:
-                log.warning("fast-path parity: probe skipped at step %d, %s.%s raised %s",
-                            step, type(pl_module).__name__, gf.PROBE_HOOK, reason)
-            return []
-        finally:
-            pl_module.train(was_training)
-        self._parity_report = {"step": step, "precision": str(trainer.precision), **parity.to_dict()}
         log_metrics(trainer, {"grad/parity_min_cosine": parity.worst_cosine,
                               "grad/parity_max_rel_norm_error": parity.worst_rel_norm_error})
         if trainer.is_global_zero:
