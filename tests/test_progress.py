@@ -12,7 +12,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from bnlit import progress
 from bnlit.threads import choose_threads, rechoose_threads
-from bnlit.callbacks.progress_bar import RunProgressBar, run_total_steps
+from bnlit.callbacks.progress_bar import RunProgressBar
+from bnlit.progress import run_total_steps
 from bnlit.callbacks.threads import ThreadsFollowLoad
 from bnlit.errors import ConfigError
 
