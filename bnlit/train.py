@@ -24,6 +24,7 @@ import bnlit.resolvers  # noqa: F401  (registers ${bnlit.*} resolvers)
 from bnlit import CONF_DIR
 from bnlit.checkpointing import Interrupted, prepare_resume, remove_partial_writes
 from bnlit.errors import BnlitError, ConfigError
+from bnlit.host_malloc import KEEP_BYTES, keep_freed_memory
 from bnlit.run_report import print_report, redact, run_tags, sweep_group, write_summary
 from bnlit.threads import load_average, set_threads
 from bnlit.validate import instantiate_checked, validate_config
@@ -46,6 +47,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
     start = time.perf_counter()
     validate_config(cfg)  # seconds, before anything is built or written
     threads = set_threads(cfg.get("threads", "auto"))
+    if cfg.get("keep_freed_memory") and str(cfg.trainer.get("accelerator")) == "cpu" and keep_freed_memory():
+        log.info("host memory: freed tensors kept for reuse (glibc mmap/trim thresholds %d MiB)", KEEP_BYTES >> 20)
     load_at_start = load_average()
     callbacks = instantiate_group(cfg.get("callbacks"))  # their own argument checks, also before the data build
     checkpoint_dir = Path(cfg.paths.checkpoint_dir)
