@@ -1012,3 +1012,34 @@ def parity_probe(module: nn.Module, batch, settings: ArbiterSettings, fast_conte
     finally:
         module.train(was_training)
     return {"step": step, "precision": precision, **parity.to_dict()}, parity
+
+
+def membership_verdict(named_parameters: NamedParameters, optimizers: Sequence[torch.optim.Optimizer],
+                       allow: Mapping[str, list[str]], reduce: Reduce | None,
+                       device: torch.device | str = "cpu") -> tuple[list[dict], dict]:
+    """The fit-start optimizer-membership check (:func:`param_group_report`) as (findings, report
+    payload), empty when it passes on every rank. Under ``reduce`` a rank whose own optimizer is
+    fine fails too when another's is mis-built, so no rank waits for it in a collective."""
+    report = param_group_report(named_parameters, optimizers, allow)
+    if reduce is not None:
+        bad = reduce(torch.tensor([0.0 if report.ok else 1.0], device=device), "sum").item()
+        if bad > 0 and report.ok:
+            return [dict(category="not_in_optimizer", parameter="(all parameters)", figure=None, threshold=None,
+                         message=f"the optimizer is mis-built on {int(bad)} other rank(s)")], {}
+    return ([], {}) if report.ok else (report.findings(), {"param_groups": report.to_dict()})
+
+
+def full_check(named: list[tuple[str, torch.Tensor]], optimizers: Sequence[torch.optim.Optimizer],
+               settings: ArbiterSettings, row_exempt: Mapping, seen: Mapping[str, tuple[str, int]], step: int, *,
+               reduce: Reduce | None, sharded: bool, world_size: int) -> tuple[GradientFlowReport, list[dict], dict]:
+    """The full check at ``step``: gradients and optimizer membership, plus what the sentinel saw
+    since the last one. Returns the gradient report, the findings and the report payload."""
+    membership = param_group_report(named, optimizers, settings.allow)
+    report = gradient_flow_report(named, reduce=reduce, sharded=sharded, world_size=world_size,
+                                  vanishing_factor=settings.vanishing_factor, dead_row_share=settings.dead_row_share,
+                                  row_exempt=row_exempt, allow=settings.allow)
+    findings = [{**f, "step": step} for f in membership.findings() + report.findings()]
+    findings += sentinel_findings(seen, {f["parameter"] for f in findings}, step)
+    payload = {"step": step, "gradients": report.to_dict(), "param_groups": membership.to_dict(),
+               "sentinel": {n: {"category": c, "first_step": f} for n, (c, f) in seen.items()}}
+    return report, findings, payload

@@ -86,18 +86,10 @@ class GradientFlowArbiter(Callback):
                 and trainer.is_global_zero:
             log.info("fast-path parity: skipped, %s has no %s(batch) -> loss hook "
                      "(see the README, \"Gradient flow (the arbiter)\")", type(pl_module).__name__, gf.PROBE_HOOK)
-        report = gf.param_group_report(pl_module.named_parameters(), trainer.optimizers, self.settings.allow)
-        reduce = self._reduce(trainer)
-        if reduce is not None:
-            bad = reduce(torch.tensor([0.0 if report.ok else 1.0], device=pl_module.device), "sum").item()
-            if bad > 0 and report.ok:
-                # another rank's optimizer is mis-built: stop here too, so no rank waits for it
-                self._fail(trainer, trainer.global_step, "param-group check", [dict(
-                    category="not_in_optimizer", parameter="(all parameters)", figure=None, threshold=None,
-                    message=f"the optimizer is mis-built on {int(bad)} other rank(s)")], {})
-        if not report.ok:
-            self._fail(trainer, trainer.global_step, "param-group check", report.findings(),
-                       {"param_groups": report.to_dict()})
+        findings, payload = gf.membership_verdict(pl_module.named_parameters(), trainer.optimizers, self.settings.allow,
+                                                  self._reduce(trainer), pl_module.device)
+        if findings:
+            self._fail(trainer, trainer.global_step, "param-group check", findings, payload)
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
         self._batches.append(batch)  # a reference: the probe batch, and the tokens present (dead rows)
@@ -168,22 +160,16 @@ class GradientFlowArbiter(Callback):
 
     def _full_check(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int, reduce) -> None:
         s, named = self.settings, list(pl_module.named_parameters())
-        membership = gf.param_group_report(named, trainer.optimizers, s.allow)
-        report = gf.gradient_flow_report(
-            named, reduce=reduce, sharded=sharded_strategy(trainer.strategy), world_size=trainer.world_size,
-            vanishing_factor=s.vanishing_factor, dead_row_share=s.dead_row_share,
-            row_exempt=gf.embedding_row_exempt(pl_module, list(self._batches)), allow=s.allow)
         seen = self._sentinel.findings(reduce) if s.sentinel else {}
         self._sentinel.reset()
+        report, findings, payload = gf.full_check(
+            named, trainer.optimizers, s, gf.embedding_row_exempt(pl_module, list(self._batches)), seen, step,
+            reduce=reduce, sharded=sharded_strategy(trainer.strategy), world_size=trainer.world_size)
         if self._defer(trainer, step, bool(report.nonfinite)):
             return
         self.checks += 1
-        exempt = [n for n in report.names if gf.allowed(n, s.allow.get("vanishing"))]
-        self._sentinel.set_weight_norms(report.weight_norms, exempt)
-        findings = [{**f, "step": step} for f in membership.findings() + report.findings()]
-        findings += gf.sentinel_findings(seen, {f["parameter"] for f in findings}, step)
-        payload: dict[str, Any] = {"step": step, "gradients": report.to_dict(), "param_groups": membership.to_dict(),
-                                   "sentinel": {n: {"category": c, "first_step": f} for n, (c, f) in seen.items()}}
+        self._sentinel.set_weight_norms(report.weight_norms,
+                                        [n for n in report.names if gf.allowed(n, s.allow.get("vanishing"))])
         if self.checks == 1 and trainer.is_global_zero:
             log.info("gradient flow: %d/%d parameters ok at step %d (grad norm %.4g)",
                      report.num_ok, len(report.names), step, report.total_norm)
