@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bnlit.errors import BnlitError
+from bnlit.errors import BnlitError, ConfigError
 
 UNKNOWN = "unknown"
 _PRECISION_DTYPES = {"bf16": torch.bfloat16, "16": torch.float16, "64": torch.float64}
@@ -266,6 +266,48 @@ def low_mfu_message(stats: dict, floor: float, step: int, peak: "Peak") -> str:
             f"{stats['data_wait_pct']:.1f}% waiting for data) against the {peak.describe()}. "
             "Check trainer.precision (bf16-mixed), module.compile, module.sdpa_backend, module.loss_impl, "
             "optimizer.fused, data.num_workers and the micro-batch size; or lower callbacks.throughput.min_mfu_pct")
+
+
+@dataclass
+class MFUFloor:
+    """The MFU floor of the module docstring, apart from the Trainer.
+
+    Args:
+        min_mfu_pct: the floor on CUDA devices, in percent; None: off.
+        cpu_min_mfu_pct: the floor on CPU (against the measured matmul peak); None: off.
+        warmup_steps: optimizer steps before the floor is judged.
+        patience: consecutive low logging steps before it fires.
+        on_low_mfu: ``"warn"`` or ``"raise"``.
+    """
+
+    min_mfu_pct: float | None = 20.0
+    cpu_min_mfu_pct: float | None = None
+    warmup_steps: int = 20
+    patience: int = 1
+    on_low_mfu: str = "warn"
+    low: int = 0  # consecutive low logging steps so far
+
+    def __post_init__(self):
+        if self.on_low_mfu not in ("warn", "raise"):
+            raise ConfigError(f"callbacks.throughput.on_low_mfu={self.on_low_mfu!r}: use 'warn' or 'raise'")
+        for name in ("min_mfu_pct", "cpu_min_mfu_pct"):
+            if (v := getattr(self, name)) is not None and not 0 < v <= 100:
+                raise ConfigError(f"callbacks.throughput.{name}={v}: a percentage in (0, 100], or null to turn it off")
+        if self.patience < 1 or self.warmup_steps < 0:
+            raise ConfigError("callbacks.throughput: patience must be >= 1 and warmup_steps >= 0")
+
+    def pct(self, device: torch.device) -> float | None:
+        return self.cpu_min_mfu_pct if device.type == "cpu" else self.min_mfu_pct
+
+    def judge(self, stats: dict, device: torch.device, step: int, peak: Peak,
+              agree: Callable[[bool], bool] = bool) -> str | None:
+        """The message when the floor fires at this logging step, else None. ``agree`` makes the
+        verdict one for every rank (a raising rank would strand the others)."""
+        floor = self.pct(device)
+        if floor is None or stats["mfu_pct"] is None or step < self.warmup_steps:
+            return None
+        self.low = self.low + 1 if agree(stats["mfu_pct"] < floor) else 0
+        return low_mfu_message(stats, floor, step, peak) if self.low >= self.patience else None
 
 
 class StepTimer:

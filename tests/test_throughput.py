@@ -314,3 +314,17 @@ def test_bench_script_runs_on_cpu(cache_dir, capsys):
     for impl in ("plain", "chunked", "fused"):
         assert memory[f"{impl}_growth_mib"] > 0, impl
     assert memory["chunked_vs_plain"] > 0 and memory["fused_vs_plain"] > 0
+
+
+def test_mfu_floor_patience_without_a_trainer():
+    """Fires only after ``patience`` consecutive low logging steps past warmup; a good step resets it."""
+    from bnlit.throughput import MFUFloor, Peak
+    floor, cpu = MFUFloor(cpu_min_mfu_pct=20.0, warmup_steps=2, patience=2), torch.device("cpu")
+    peak = Peak(1e12, "cpu", "override", "test", False)
+    low = {"mfu_pct": 5.0, "tokens_per_s": 1.0, "step_ms": 1.0, "data_wait_pct": 0.0}
+    assert floor.judge(low, cpu, 1, peak) is None and floor.low == 0  # warming up
+    assert floor.judge(low, cpu, 2, peak) is None and floor.low == 1
+    assert floor.judge({**low, "mfu_pct": 50.0}, cpu, 3, peak) is None and floor.low == 0
+    assert floor.judge(low, cpu, 4, peak) is None
+    assert "MFU 5.00% is below the floor of 20% at step 5" in floor.judge(low, cpu, 5, peak)
+    assert floor.pct(torch.device("cuda")) == 20.0 and MFUFloor().pct(cpu) is None
