@@ -8,8 +8,6 @@ slices, chooses when to evaluate, logs and warns."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-
 import lightning as L
 import numpy as np
 from lightning.pytorch.trainer.states import TrainerFn
@@ -17,42 +15,16 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from bnlit import evaluation as ev
 from bnlit import ngram
-from bnlit.errors import ConfigError
 from bnlit.run_report import log_metrics, log_table, run_dir
 
 log = logging.getLogger(__name__)
 
 
 class RandomTwinNLL(L.Callback):
-    """Args:
-    max_tokens: per-language budget of held-out tokens scored (whole documents up to it);
-        ``None`` scores the whole slice.
-    every_n_validations: score the trained model at every n-th validation (0: only at the end).
-    seed: the twin's init seed.
-    batch_size: windows per forward.
-    init_tolerance: warn when the twin's NLL is further than this (relative) from ln(V).
-    learning_after_steps: from this step on, warn when the trained model is not below its twin or
-        its unigram (the default run is below its unigram from step 100 on: 3.599 vs 3.653 bits/char on Bangla).
-    languages: the languages to score (default: every validation language).
-    baselines: also count and score the unigram and bigram baselines of the training shards.
-    baseline_max_tokens: count the baselines from at most this many training tokens per language
-        (None: all of them).
-    """
+    """Args: those of :class:`bnlit.evaluation.TwinSettings`, kept as ``self.settings``."""
 
-    def __init__(self, max_tokens: int | None = 16384, every_n_validations: int = 1, seed: int = 1234,
-                 batch_size: int = 8, init_tolerance: float = 0.15, learning_after_steps: int = 200,
-                 languages: Sequence[str] | None = None, baselines: bool = True,
-                 baseline_max_tokens: int | None = 50_000_000):
-        if max_tokens is not None and max_tokens < 2:
-            raise ConfigError(f"callbacks.random_twin.max_tokens={max_tokens}: must be >= 2 or null (whole slice)")
-        if every_n_validations < 0 or batch_size < 1 or init_tolerance <= 0:
-            raise ConfigError("callbacks.random_twin: every_n_validations must be >= 0, batch_size >= 1 "
-                              "and init_tolerance > 0")
-        self.max_tokens, self.every_n, self.seed = max_tokens, every_n_validations, seed
-        self.batch_size, self.init_tolerance = batch_size, init_tolerance
-        self.learning_after_steps = learning_after_steps
-        self.languages = list(languages) if languages else None
-        self.baselines, self.baseline_max_tokens = baselines, baseline_max_tokens
+    def __init__(self, **settings):
+        self.settings = ev.TwinSettings(**settings)
         self._slices: dict[str, tuple[np.ndarray, int, int]] | None = None
         self._twin: dict[str, ev.EvalResult] = {}
         self._baselines: dict[str, dict[str, ev.EvalResult]] = {}  # lang -> unigram/bigram on the slice
@@ -68,28 +40,29 @@ class RandomTwinNLL(L.Callback):
         if dm is None or not hasattr(dm, "val_tokens"):
             rank_zero_warn("RandomTwinNLL: no bnlit data module attached; the random twin is not evaluated")
             return False
-        self._slices, self.seq_len = ev.twin_slices(dm, self.languages, self.max_tokens), dm.seq_len
-        if self.baselines and getattr(dm, "shard_dir", None) is not None:
+        s = self.settings
+        self._slices, self.seq_len = ev.twin_slices(dm, s.languages, s.max_tokens), dm.seq_len
+        if s.baselines and getattr(dm, "shard_dir", None) is not None:
             counts = ngram.count_shards(dm.shard_dir, dm.index, dm.tokenizer.eos_id, dm.tokenizer.vocab_size,
-                                        max_tokens=self.baseline_max_tokens)
+                                        max_tokens=s.baseline_max_tokens)
             if trainer.is_global_zero:
                 ngram.save_baselines(run_dir(trainer), counts)
             self._baselines = {lang: counts[lang].evaluate(*s) for lang, s in self._slices.items() if lang in counts}
         model = pl_module.model
-        twin = ev.twin_model(model, self.seed).to(device=pl_module.device, dtype=next(model.parameters()).dtype)
+        twin = ev.twin_model(model, s.seed).to(device=pl_module.device, dtype=next(model.parameters()).dtype)
         self.vocab_size = model.config.vocab_size
         self._twin = self._score(trainer, twin)
         return True
 
     def _score(self, trainer: L.Trainer, model) -> dict[str, ev.EvalResult]:
-        return ev.score_slices(model, self._slices, self.seq_len, self.batch_size, trainer.global_rank,
+        return ev.score_slices(model, self._slices, self.seq_len, self.settings.batch_size, trainer.global_rank,
                                trainer.world_size, trainer.strategy.precision_plugin.forward_context())
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING:
             return
         self._validations += 1
-        if self.every_n and self._validations % self.every_n == 0:
+        if self.settings.due(self._validations):
             self._evaluate(trainer, pl_module)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -112,9 +85,9 @@ class RandomTwinNLL(L.Callback):
         self.results = {lang: {"trained": trained[lang], "twin": self._twin[lang]} for lang in trained}
         self._last_step = step = trainer.global_step
         log_metrics(trainer, self.metrics(), callback_metrics=True)
-        self.verdicts = ev.twin_verdicts(self.results, self.vocab_size, step, self.init_tolerance,
-                                         self.learning_after_steps)
-        self.verdicts += ngram.baseline_verdicts(trained, self._baselines, step, self.learning_after_steps)
+        s = self.settings
+        self.verdicts = ev.twin_verdicts(self.results, self.vocab_size, step, s.init_tolerance, s.learning_after_steps)
+        self.verdicts += ngram.baseline_verdicts(trained, self._baselines, step, s.learning_after_steps)
         for v in self.verdicts:
             rank_zero_warn(v)
 
