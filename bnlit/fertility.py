@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from bnlit.errors import ConfigError
+
 BYTES = "bytes"
 DEFAULT_FLOORS = {"bn": 2.5}
 DEFAULT_MAX_FACTOR = 1.5
@@ -344,7 +346,6 @@ def report(texts_by_language: Mapping[str, Sequence[str]], tokenizer, parallel: 
 def read_parallel(files: Mapping[str, str | Path], field: str = "parallel") -> dict[str, list[str]]:
     """Line-aligned translations ``{lang: file}`` -> ``{lang: lines}``; every file must exist and
     have the same number of non-empty lines (the check a content-matched premium needs)."""
-    from bnlit.errors import ConfigError
 
     texts = {}
     for lang, file in files.items():
@@ -411,25 +412,65 @@ def fertility_table(val: Mapping[str, dict], mixture: Mapping | None,
     return columns, rows
 
 
-def run_check(dm, floors: Mapping[str, float], max_factor: float, check_shares: bool,
-              parallel_texts: Mapping[str, Sequence[str]] | None, parallel_source: str,
-              premium_band: Sequence[float]) -> tuple[dict, list[str], list[str]]:
+@dataclass
+class FertilitySettings:
+    """What the start-of-run check (:func:`run_check`) checks, validated when made.
+
+    Args:
+        floors: minimum characters per token per language (default ``{"bn": 2.5}``; UTF-8 bytes give
+            Bangla ~0.37, a Bangla-aware 8k tokenizer ~3.4).
+        max_factor: a language delivered more than this multiple of its intended share (in tokens or
+            characters) fails the share check.
+        check_shares: run the inverted/over-represented mixture checks.
+        on_fail: ``raise`` (stop the run with a :class:`~bnlit.errors.TokenizerError`) or ``warn``.
+        parallel: ``{lang: file}`` of line-aligned translations (for example FLORES-200 dev
+            ``{bn: ben_Beng.dev, en: eng_Latn.dev}``); when given, the content-matched token premium
+            (Petrov et al. 2023) is measured on it, logged and checked against ``premium_band``.
+            ``None`` (the default): not measured. Read when the settings are made: a missing or
+            misaligned file stops the run before any data is built.
+        premium_band: ``[low, high]``; a premium outside it, in either direction, is warned about.
+    """
+
+    floors: Mapping[str, float] | None = None
+    max_factor: float = DEFAULT_MAX_FACTOR
+    check_shares: bool = True
+    on_fail: str = "raise"
+    parallel: Mapping[str, str] | None = None
+    premium_band: Sequence[float] = DEFAULT_PREMIUM_BAND
+
+    def __post_init__(self):
+        if self.on_fail not in ("raise", "warn"):
+            raise ConfigError(f"callbacks.fertility.on_fail={self.on_fail!r}: use one of ['raise', 'warn']")
+        if self.max_factor <= 1.0:
+            raise ConfigError(f"callbacks.fertility.max_factor={self.max_factor}: must be > 1")
+        band = list(self.premium_band)
+        if len(band) != 2 or not 0 < band[0] <= 1 <= band[1]:
+            raise ConfigError(f"callbacks.fertility.premium_band={band}: write [low, high] with 0 < low <= 1 <= high")
+        self.premium_band = (float(band[0]), float(band[1]))
+        self.parallel = dict(self.parallel) if self.parallel else None
+        self.parallel_texts = read_parallel(self.parallel, "callbacks.fertility.parallel") if self.parallel else None
+        self.floors = dict(DEFAULT_FLOORS if self.floors is None else self.floors)
+
+
+def run_check(dm, settings: FertilitySettings) -> tuple[dict, list[str], list[str]]:
     """The start-of-run check on a bnlit data module ``dm``: held-out characters per token against
-    ``floors``, the mixture's delivered shares against its intent (``check_shares``), and the
-    content-matched premium on ``parallel_texts`` against ``premium_band``. Returns the result
+    the floors, the mixture's delivered shares against its intent (``check_shares``), and the
+    content-matched premium on the parallel texts against ``premium_band``. Returns the result
     (``validation``, ``mixture``, ``parallel``), the problems (stop or warn) and the premium
     warnings (never a stop)."""
+    s = settings
     stats = dm.split_stats("val").values()
     val = heldout_fertility(stats, {st["language"]: dm.val_tokens(st["language"]) for st in stats}, dm.tokenizer)
     mixture = getattr(dm, "mixture", None)
-    problems = floor_verdicts({k: v["chars_per_token"] for k, v in val.items()}, floors)
-    if mixture and check_shares:
+    problems = floor_verdicts({k: v["chars_per_token"] for k, v in val.items()}, s.floors)
+    if mixture and s.check_shares:
         cpt = {lang: chars_per_token(e["chars"], e["tokens"])
                for lang, e in language_counts(dm.split_stats("train").values()).items()}
         problems += share_verdicts(mixture["intended"], mixture["tokens"], mixture["chars"], cpt,
-                                   max_factor=max_factor, unit=mixture["unit"])
+                                   max_factor=s.max_factor, unit=mixture["unit"])
     parallel, warnings = None, []
-    if parallel_texts:
-        parallel = report(parallel_texts, dm.tokenizer, parallel=True)
-        warnings = premium_verdicts({k: v["premium"] for k, v in parallel.items()}, premium_band, parallel_source)
+    if s.parallel_texts:
+        parallel = report(s.parallel_texts, dm.tokenizer, parallel=True)
+        source = "parallel text " + ", ".join(f"{k}={v}" for k, v in s.parallel.items())
+        warnings = premium_verdicts({k: v["premium"] for k, v in parallel.items()}, s.premium_band, source)
     return {"validation": val, "mixture": mixture, "parallel": parallel}, problems, warnings

@@ -295,8 +295,8 @@ def test_parallel_text_and_band_are_checked_when_the_callback_is_built(tmp_path)
     from bnlit.callbacks.fertility import FertilityCheck
 
     bn, en = _parallel(tmp_path)
-    assert FertilityCheck(parallel={"bn": str(bn), "en": str(en)}).parallel_texts["en"][0] == "I sing in Bangla."
-    assert FertilityCheck().parallel_texts is None  # off unless given
+    assert FertilityCheck(parallel={"bn": str(bn), "en": str(en)}).settings.parallel_texts["en"][0] == "I sing in Bangla."
+    assert FertilityCheck().settings.parallel_texts is None  # off unless given
     with pytest.raises(ConfigError, match=r"callbacks.fertility.parallel.bn: .*nope.txt does not exist"):
         FertilityCheck(parallel={"bn": str(tmp_path / "nope.txt"), "en": str(en)})
     short = tmp_path / "short.txt"
