@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from bnlit.errors import BnlitError
+from bnlit.errors import BnlitError, ConfigError
 
 POLICIES = ("halt", "skip")
 log = logging.getLogger("bnlit")
@@ -136,6 +136,8 @@ class StepGuard:
     and the steps judged on the device but not yet read to the host."""
 
     def __init__(self, policy: str, tracker: SpikeTracker, budget: SkipBudget):
+        if policy not in POLICIES:
+            raise ConfigError(f"callbacks.nan_guard.policy={policy!r}: use one of {list(POLICIES)}")
         self.policy, self.tracker, self.budget = policy, tracker, budget
         self._average: torch.Tensor | None = None
         self._seen: torch.Tensor | None = None
@@ -197,3 +199,18 @@ class StepGuard:
         self.tracker.load_state_dict(state["tracker"])
         self._average = self._seen = None  # rebuilt on the device from the tracker at the next step
         self.budget.skipped = [tuple(s) for s in state["skipped"]]
+
+
+def settle_due(step: int, log_every_n_steps: int, max_steps: int | None) -> bool:
+    """Whether the verdicts kept on the device are read at optimizer step ``step`` (0-based, about
+    to be taken): on logging steps and the run's last step."""
+    last = max_steps is not None and 0 < max_steps <= step + 1
+    return last or bool(log_every_n_steps and (step + 1) % log_every_n_steps == 0)
+
+
+def check_finite_parameters(named_parameters, step: int) -> None:
+    """Refuse to write a checkpoint of non-finite parameters over the last good one."""
+    bad = [n for n, p in named_parameters if not torch.isfinite(p).all()]
+    if bad:
+        raise DivergenceError(f"parameters {bad[:3]} are not finite at step {step}; refusing to "
+                              "overwrite the last good checkpoint; resume from it with ckpt_path=last")

@@ -10,8 +10,7 @@ from typing import Any
 import lightning as L
 import torch
 
-from bnlit.errors import ConfigError
-from bnlit.guard import POLICIES, DivergenceError, SkipBudget, SpikeTracker, StepGuard, grad_norm
+from bnlit.guard import SkipBudget, SpikeTracker, StepGuard, check_finite_parameters, grad_norm, settle_due
 
 
 class NaNGuard(L.Callback):
@@ -26,8 +25,6 @@ class NaNGuard(L.Callback):
 
     def __init__(self, policy: str = "halt", max_skips: int = 10, spike_factor: float | None = 3.0,
                  spike_warmup: int = 20, ema_beta: float = 0.98, check_grads: bool = True):
-        if policy not in POLICIES:
-            raise ConfigError(f"callbacks.nan_guard.policy={policy!r}: use one of {list(POLICIES)}")
         self.policy, self.check_grads = policy, check_grads
         self.guard = StepGuard(policy, SpikeTracker(factor=spike_factor, beta=ema_beta, warmup=spike_warmup),
                                SkipBudget(max_skips=max_skips))
@@ -60,9 +57,7 @@ class NaNGuard(L.Callback):
         if self.deferred:
             # fused AdamW reads it on the device: weights, moments and step count stay untouched
             optimizer.found_inf = bad.float()
-            every = trainer.log_every_n_steps
-            last = trainer.max_steps is not None and 0 < trainer.max_steps <= trainer.global_step + 1
-            if last or (every and (trainer.global_step + 1) % every == 0):
+            if settle_due(trainer.global_step, trainer.log_every_n_steps, trainer.max_steps):
                 self._settle(pl_module, log_metric=True)
         elif self._settle(pl_module, log_metric=True):
             for p in pl_module.parameters():
@@ -79,10 +74,7 @@ class NaNGuard(L.Callback):
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
         self._settle(pl_module, log_metric=False)  # a pending bad step halts before anything is written
-        bad = [n for n, p in pl_module.named_parameters() if not torch.isfinite(p).all()]
-        if bad:
-            raise DivergenceError(f"parameters {bad[:3]} are not finite at step {trainer.global_step}; refusing to "
-                                  "overwrite the last good checkpoint; resume from it with ckpt_path=last")
+        check_finite_parameters(pl_module.named_parameters(), trainer.global_step)
 
     def state_dict(self) -> dict[str, Any]:
         return self.guard.state_dict()
