@@ -819,6 +819,11 @@ class ParityReport:
     def to_dict(self) -> dict:
         return {**asdict(self), "ok": self.ok, "num_ok": self.num_ok, "problems": self.problems()}
 
+    def summary(self, precision: str, compiled: bool) -> str:
+        return (f"fast-path parity ({precision}{', compiled' if compiled else ''}): {self.num_ok}/{len(self.names)} "
+                f"parameters within tolerance (min cosine {self.worst_cosine:.5f}, max relative norm error "
+                f"{self.worst_rel_norm_error:.4f})")
+
 
 def compare_gradients(
     fast: Mapping[str, torch.Tensor | None], ref: Mapping[str, torch.Tensor | None], *,

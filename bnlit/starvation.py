@@ -89,3 +89,10 @@ def starvation_table(history: Mapping[str, Sequence[float]], trends: Mapping[str
              t.improved if t else None, starved.get(lang)]
             for lang, series in history.items() for t in [trends.get(lang)]]
     return columns, rows
+
+
+def starvation_summary(history: Mapping[str, Sequence[float]], starved: Mapping[str, int], patience: int) -> str:
+    """The end-of-run line: each language ok or the step it was first found starved."""
+    verdict = ", ".join(f"{lang} {'STARVED at step ' + str(starved[lang]) if lang in starved else 'ok'}"
+                        for lang in history)
+    return f"language starvation (patience {patience} validations): {verdict}"

@@ -156,10 +156,7 @@ class GradientFlowArbiter(Callback):
         log_metrics(trainer, {"grad/parity_min_cosine": parity.worst_cosine,
                               "grad/parity_max_rel_norm_error": parity.worst_rel_norm_error})
         if trainer.is_global_zero:
-            log.info("fast-path parity (%s%s): %d/%d parameters within tolerance (min cosine %.5f, "
-                     "max relative norm error %.4f)", trainer.precision,
-                     ", compiled" if getattr(pl_module, "compile", False) is True else "", parity.num_ok,
-                     len(parity.names), parity.worst_cosine, parity.worst_rel_norm_error)
+            log.info("%s", parity.summary(trainer.precision, getattr(pl_module, "compile", False) is True))
         return parity.findings(step)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:

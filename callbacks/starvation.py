@@ -9,7 +9,8 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from bnlit.errors import ConfigError
 from bnlit.run_report import log_metrics, log_table
-from bnlit.starvation import LanguageStarvationError, starvation_message, starvation_table, starved_languages
+from bnlit.starvation import LanguageStarvationError, starvation_message, starvation_summary
+from bnlit.starvation import starvation_table, starved_languages
 
 ON_STARVED = ("warn", "raise")
 
@@ -57,9 +58,7 @@ class LanguageStarvation(L.Callback):
         if not self.history:
             return
         log_table(trainer, "starvation/table", *starvation_table(self.history, self._trends, self.starved))
-        verdict = ", ".join(f"{lang} {'STARVED at step ' + str(self.starved[lang]) if lang in self.starved else 'ok'}"
-                            for lang in self.history)
-        rank_zero_info(f"language starvation (patience {self.patience} validations): {verdict}")
+        rank_zero_info(starvation_summary(self.history, self.starved, self.patience))
 
     def state_dict(self) -> dict:
         return {"history": self.history, "steps": self.steps, "starved": self.starved}
