@@ -30,6 +30,15 @@ Checkpoint hygiene and interrupt-safe stops.
 - SIGTERM, SIGUSR1/2 and Ctrl-C are latched (:class:`SignalLatch`): the run finishes the optimizer
   step it is in, every rank agrees on that step, a checkpoint is written atomically, and the run
   stops with :class:`Interrupted`. ``callbacks/interrupt.py`` is the Lightning adapter.
+
+**The callback** (``bnlit.callbacks.interrupt``). Interrupt-safe runs: on SIGTERM, SIGUSR1/2 or Ctrl-C the run finishes the optimizer step it is
+in, writes an atomic checkpoint of that step, flushes the loggers and stops with
+``interrupted at step N: saved checkpoints/stepNNNNNNN.ckpt; resume with ckpt_path=last ...``.
+A SLURM job stopped by a requeue signal is requeued and continues by itself. The signal
+bookkeeping and the checkpoint hygiene are plain functions in :mod:`bnlit.checkpointing`.
+
+Cost: nothing per step on one process; one all-reduce of an int under torch.distributed, so
+that every rank stops after the same step (Lightning itself broadcasts a flag per step there).
 """
 
 from __future__ import annotations
@@ -477,6 +486,31 @@ def strategy_class(strategy: Any) -> type[Strategy]:
     if isinstance(strategy, str) and strategy in StrategyRegistry:
         return StrategyRegistry[strategy]["strategy"]
     return Strategy
+
+
+def sharded_strategy(strategy: Any) -> bool:
+    """Whether ``strategy`` (as :func:`strategy_class` reads it) shards parameters across ranks
+    (FSDP, ModelParallel): each rank then holds a shard of every parameter and of its gradient."""
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+    return issubclass(strategy_class(strategy), (FSDPStrategy, ModelParallelStrategy))
+
+
+def step_checkpoint_path(checkpoint_callback: Any, dirpath: Path, step: int, epoch: int) -> Path:
+    """The file a checkpoint of ``step`` goes to: the ModelCheckpoint's own name for it when one
+    names the place (``step0000037.ckpt``), else ``dirpath/step<step:07d>.ckpt``."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    if isinstance(checkpoint_callback, ModelCheckpoint) and checkpoint_callback.dirpath:
+        return Path(checkpoint_callback.format_checkpoint_name({"step": step, "epoch": epoch}))
+    return Path(dirpath) / f"step{step:07d}.ckpt"
+
+
+def trainer_checkpoint_dir(trainer: Any) -> Path:
+    """Where a running Trainer's checkpoints go: its ModelCheckpoint's dirpath, else
+    ``<default_root_dir>/checkpoints``."""
+    dirpath = getattr(trainer.checkpoint_callback, "dirpath", None)
+    return Path(dirpath) if dirpath else Path(trainer.default_root_dir) / "checkpoints"
 
 
 def loads_through_checkpoint_io(strategy: Any) -> bool:

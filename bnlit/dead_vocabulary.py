@@ -11,6 +11,14 @@ on other text than the model, or a language's data never reached the model.
 the language each piece belongs to by its script (Bengali block: ``bn``, Latin: ``en``, otherwise
 ``und``); byte-fallback and special pieces are counted apart, since most bytes never occur in
 UTF-8 text of two scripts and ``<pad>``/``<s>`` are never used by design.
+
+**The callback** (``bnlit.callbacks.dead_vocabulary``). ``DeadVocabulary``: at the end of training, the tokenizer pieces the model never trained on.
+
+Two lists (:mod:`bnlit.dead_vocabulary`): pieces that never occur in the training shards, and
+pieces whose embedding row was never looked up by a training batch, so never received an
+input-side gradient (tracked here on the device, one scatter per batch, no host sync). The
+report goes to the log, ``vocab/`` metrics, the table ``vocab/dead`` and
+``<run dir>/dead_vocabulary.json`` (every id).
 """
 
 from __future__ import annotations
@@ -96,3 +104,38 @@ def format_report(report: dict) -> str:
                      f"[by script: {langs}; also {r['by_kind']['byte']} byte and {r['by_kind']['special']} "
                      f"special pieces]" + (f"; e.g. {' '.join(r['sample'][:10])}" if r["sample"] else ""))
     return "\n".join(lines)
+
+
+def training_counts(datamodule, chunk_tokens: int = 1 << 24) -> dict[str, np.ndarray]:
+    """Per language, how often each token id occurs in the training shards (read in chunks)."""
+    from bnlit.data.shards import read_tokens
+
+    V = datamodule.tokenizer.vocab_size
+    out: dict[str, np.ndarray] = {}
+    for name, entry in datamodule.index["sources"].items():
+        counts = out.setdefault(entry["language"], np.zeros(V, dtype=np.int64))
+        tokens = read_tokens(datamodule.shard_dir, datamodule.index, name, "train")
+        for start in range(0, len(tokens), chunk_tokens):
+            counts += np.bincount(np.asarray(tokens[start:start + chunk_tokens], dtype=np.int64), minlength=V)
+    return out
+
+
+LISTS = ("never_in_training", "never_looked_up")
+
+
+def dead_vocabulary_metrics(report: Mapping) -> dict[str, float]:
+    """The ``vocab/`` metrics of a :func:`dead_vocabulary` report: pieces and share per list."""
+    out = {}
+    for key in LISTS:
+        if report.get(key) is not None:
+            out |= {f"vocab/{key}": report[key]["pieces"], f"vocab/{key}_share": report[key]["pieces_share"]}
+    return out
+
+
+def dead_vocabulary_table(report: Mapping) -> tuple[list[str], list[list]]:
+    """Columns and rows of ``vocab/dead``: one row per list."""
+    columns = ["list", "pieces", "share", "byte_pieces", "special_pieces", "by_script", "sample"]
+    rows = [[key, r["pieces"], r["pieces_share"], r["by_kind"]["byte"], r["by_kind"]["special"],
+             ", ".join(f"{k} {v}" for k, v in r["by_language"].items()), " ".join(r["sample"])]
+            for key in LISTS if (r := report.get(key)) is not None]
+    return columns, rows

@@ -12,10 +12,22 @@ training shards, so every document token and every end-of-document token is pred
 once, the first token of a document after an ``eos`` as in training. The stream is cut into
 non-overlapping windows of ``seq_len`` predictions; the last window is shorter, not padded or
 dropped. Windows can be split across ranks; the sums are ``torchmetrics`` states, reduced by sum.
+
+**The random twin** (``bnlit.callbacks.random_twin`` is the adapter) answers two questions a loss
+curve alone does not: did the model learn anything (the trained NLL must fall below the twin's),
+and is the initialisation sane (the twin's NLL sits near ln(V)). The twin is built and scored once
+(it never changes); the trained model is scored at every ``every_n_validations``-th validation and
+at the end of training, when the table is printed and logged (``twin/table``). A twin alone
+flatters: a model that learned only token frequencies beats it by far, so the trained model is
+also compared with the add-one unigram and Kneser-Ney bigram of the training shards
+(:mod:`bnlit.ngram`; ``learned_context/<lang>`` is the bigram's bits/char minus the trained
+model's). Scoring touches no training RNG stream (the twin has its own generator, and
+:func:`score_slices` runs inside ``fork_rng`` all the same) and leaves the model in its mode.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
@@ -26,6 +38,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torchmetrics import Metric
 
+from bnlit.errors import ConfigError
 from bnlit.model import ModelConfig, Transformer, rope_cache
 
 LN2 = math.log(2.0)
@@ -214,6 +227,47 @@ def text_size(tokens: np.ndarray, tokenizer, eos_id: int) -> tuple[int, int]:
                 chars, nbytes = chars + len(text), nbytes + len(text.encode("utf-8"))
             start = i + 1
     return chars, nbytes
+
+
+def twin_slices(dm, languages: Sequence[str] | None, max_tokens: int | None) -> dict[str, tuple[np.ndarray, int, int]]:
+    """Per language of the data module ``dm``'s validation split: the held-out stream
+    ``[eos] + documents`` (whole documents within ``max_tokens``), its characters and UTF-8 bytes."""
+    tok, eos = dm.tokenizer, dm.tokenizer.eos_id
+    stats = dm.split_stats("val")
+    langs = languages or dm.val_languages
+    unknown = sorted(set(langs) - set(dm.val_languages))
+    if unknown:
+        raise ConfigError(f"callbacks.random_twin.languages: {unknown} have no validation slice (have {dm.val_languages})")
+    slices = {}
+    for lang in langs:
+        tokens, whole = documents_prefix(dm.val_tokens(lang), eos, max_tokens)
+        if whole:  # the index counts the source text itself
+            chars = sum(s["chars"] for s in stats.values() if s["language"] == lang)
+            nbytes = sum(s["bytes"] for s in stats.values() if s["language"] == lang)
+        else:
+            chars, nbytes = text_size(tokens, tok, eos)
+        slices[lang] = (np.concatenate([np.asarray([eos], dtype=np.int64), tokens.astype(np.int64)]), chars, nbytes)
+    return slices
+
+
+def score_slices(model: nn.Module, slices: dict[str, tuple[np.ndarray, int, int]], seq_len: int, batch_size: int,
+                 rank: int = 0, world_size: int = 1, context=None) -> dict[str, EvalResult]:
+    """:class:`EvalResult` per slice of :func:`twin_slices`, in eval mode under ``context`` (e.g.
+    the precision plugin's autocast), without touching the RNG streams; the model's mode is kept."""
+    was_training = model.training
+    device = next(model.parameters()).device
+    model.eval()
+    try:
+        with torch.random.fork_rng(devices=[device.index] if device.type == "cuda" else []), torch.no_grad(), \
+                (context or contextlib.nullcontext()):
+            out = {}
+            for lang, (stream, chars, nbytes) in slices.items():
+                nll, tokens = evaluate_stream(model, stream, seq_len, batch_size, device, rank=rank,
+                                              world_size=world_size, metric=NLLSum())
+                out[lang] = EvalResult(nll, tokens, chars, nbytes)
+    finally:
+        model.train(was_training)
+    return out
 
 
 def twin_verdicts(results: dict[str, dict[str, EvalResult]], vocab_size: int, step: int,

@@ -142,15 +142,21 @@ def tokenizer_files(tokenizer: Tokenizer, max_len: int) -> dict[str, dict]:
     return {"tokenizer_config.json": config, "special_tokens_map.json": special}
 
 
+def check_export(model: Transformer, tokenizer: Tokenizer, out: Path, overwrite: bool, what: str) -> None:
+    """Refuse, before any work, an existing ``out`` (unless ``overwrite``) and a tokenizer that is
+    not the model's."""
+    if out.exists() and not overwrite:
+        raise CheckpointError(f"{what} {out} already exists; pass --overwrite or choose another --out")
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise CheckpointError(f"tokenizer has {tokenizer.vocab_size} tokens, more than the model's "
+                              f"{model.config.vocab_size}; they are not from the same run")
+
+
 def export_hf(model: Transformer, tokenizer: Tokenizer, out_dir: str | os.PathLike,
               dtype: torch.dtype = torch.float32, overwrite: bool = False) -> Path:
     """Write ``model`` and ``tokenizer`` to ``out_dir`` in the Hugging Face Llama layout."""
     out_dir = Path(out_dir)
-    if out_dir.exists() and not overwrite:
-        raise CheckpointError(f"export directory {out_dir} already exists; pass --overwrite or choose another --out")
-    if tokenizer.vocab_size > model.config.vocab_size:
-        raise CheckpointError(f"tokenizer has {tokenizer.vocab_size} tokens, more than the model's "
-                              f"{model.config.vocab_size}; they are not from the same run")
+    check_export(model, tokenizer, out_dir, overwrite, "export directory")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp", dir=out_dir.parent))
     try:
@@ -270,11 +276,7 @@ def export_gguf(model: Transformer, tokenizer: Tokenizer, out_path: str | os.Pat
     if type not in GGUF_TYPES:
         raise CheckpointError(f"--type {type!r}: use one of {', '.join(GGUF_TYPES)}")
     out_path = Path(out_path)
-    if out_path.exists() and not overwrite:
-        raise CheckpointError(f"GGUF file {out_path} already exists; pass --overwrite or choose another --out")
-    if tokenizer.vocab_size > model.config.vocab_size:
-        raise CheckpointError(f"tokenizer has {tokenizer.vocab_size} tokens, more than the model's "
-                              f"{model.config.vocab_size}; they are not from the same run")
+    check_export(model, tokenizer, out_path, overwrite, "GGUF file")
     Q = gguf.GGMLQuantizationType
     matrix_type, file_type = {
         "f32": (Q.F32, gguf.LlamaFileType.ALL_F32), "f16": (Q.F16, gguf.LlamaFileType.MOSTLY_F16),

@@ -11,6 +11,15 @@ split hands English almost three quarters of the text. The functions here measur
 between the two units (:func:`token_weights_for_char_shares`, :func:`effective_shares`) and judge
 the result (:func:`floor_verdicts`, :func:`share_verdicts`); ``scripts/fertility.py`` and
 ``bnlit.callbacks.fertility`` are thin wrappers over them.
+
+**The callback** (``bnlit.callbacks.fertility``). ``FertilityCheck``: at the start of a run (the first ``fit``/``validate`` setup), measure each
+language's characters per token on its held-out slice, log it with the mixture's intended and delivered shares, and stop (or warn about) a run
+whose tokenizer starves a language or whose mixture no longer says what the config asked for.
+With ``parallel`` text configured it also measures the content-matched token premium and warns
+when it leaves ``premium_band``.
+
+The maths is :mod:`bnlit.fertility`; this callback only reads the data module's shard statistics
+(``split_stats``, ``val_tokens``, ``mixture``), logs, and decides whether to stop.
 """
 
 from __future__ import annotations
@@ -368,3 +377,59 @@ def premium_verdicts(premium: Mapping[str, float], band: Sequence[float] = DEFAU
                    f"tokenizer with more {starved} text (tokenizer.lang_weights {{{starved}: more, {fed}: less}}) "
                    f"or widen callbacks.fertility.premium_band")
     return out
+
+
+def fertility_metrics(val: Mapping[str, dict], mixture: Mapping | None, parallel: Mapping[str, dict] | None) -> dict[str, float]:
+    """The ``tok/`` metrics of a held-out measurement (:func:`heldout_fertility`), the data
+    module's ``mixture`` shares and a parallel-text :func:`report`."""
+    metrics = {}
+    for lang, v in (parallel or {}).items():
+        metrics[f"tok/{lang}_parallel_chars_per_token"] = v["chars_per_token"]
+        metrics[f"tok/{lang}_parallel_premium"] = v["premium"]
+    for lang, v in val.items():
+        metrics[f"tok/{lang}_chars_per_token"] = v["chars_per_token"]
+        metrics[f"tok/{lang}_premium"] = v["premium"]
+        metrics[f"tok/{lang}_byte_fallback_rate"] = v["byte_fallback_rate"]
+        if mixture:
+            metrics[f"tok/{lang}_intended_share"] = mixture["intended"].get(lang, 0.0)
+            metrics[f"tok/{lang}_token_share"] = mixture["tokens"].get(lang, 0.0)
+            metrics[f"tok/{lang}_char_share"] = mixture["chars"].get(lang, 0.0)
+    return metrics
+
+
+def fertility_table(val: Mapping[str, dict], mixture: Mapping | None,
+                    parallel: Mapping[str, dict] | None) -> tuple[list[str], list[list]]:
+    """Columns and rows of ``tok/fertility``: one row per held-out language."""
+    columns = ["language", "chars_per_token", "premium", "byte_fallback_rate", "unk_rate", "intended_share",
+               "token_share", "char_share", "weight_unit", "parallel_chars_per_token", "parallel_premium"]
+    par = parallel or {}
+    rows = [[lang, v["chars_per_token"], v["premium"], v["byte_fallback_rate"], v["unk_rate"],
+             *((mixture["intended"].get(lang), mixture["tokens"].get(lang), mixture["chars"].get(lang),
+                mixture["unit"]) if mixture else (None, None, None, None)),
+             par.get(lang, {}).get("chars_per_token"), par.get(lang, {}).get("premium")]
+            for lang, v in val.items()]
+    return columns, rows
+
+
+def run_check(dm, floors: Mapping[str, float], max_factor: float, check_shares: bool,
+              parallel_texts: Mapping[str, Sequence[str]] | None, parallel_source: str,
+              premium_band: Sequence[float]) -> tuple[dict, list[str], list[str]]:
+    """The start-of-run check on a bnlit data module ``dm``: held-out characters per token against
+    ``floors``, the mixture's delivered shares against its intent (``check_shares``), and the
+    content-matched premium on ``parallel_texts`` against ``premium_band``. Returns the result
+    (``validation``, ``mixture``, ``parallel``), the problems (stop or warn) and the premium
+    warnings (never a stop)."""
+    stats = dm.split_stats("val").values()
+    val = heldout_fertility(stats, {st["language"]: dm.val_tokens(st["language"]) for st in stats}, dm.tokenizer)
+    mixture = getattr(dm, "mixture", None)
+    problems = floor_verdicts({k: v["chars_per_token"] for k, v in val.items()}, floors)
+    if mixture and check_shares:
+        cpt = {lang: chars_per_token(e["chars"], e["tokens"])
+               for lang, e in language_counts(dm.split_stats("train").values()).items()}
+        problems += share_verdicts(mixture["intended"], mixture["tokens"], mixture["chars"], cpt,
+                                   max_factor=max_factor, unit=mixture["unit"])
+    parallel, warnings = None, []
+    if parallel_texts:
+        parallel = report(parallel_texts, dm.tokenizer, parallel=True)
+        warnings = premium_verdicts({k: v["premium"] for k, v in parallel.items()}, premium_band, parallel_source)
+    return {"validation": val, "mixture": mixture, "parallel": parallel}, problems, warnings

@@ -23,6 +23,17 @@ rank holds a shard of a parameter: a parameter is zero only when every shard is.
 The exactness matters: one fused L2-norm pass finds the candidates, and a candidate is called zero
 or non-finite only after an exact re-check -- the fp32 L2 norm underflows to 0 for gradients around
 1e-23 and overflows to Inf above 1e19.
+
+**The callback** (``bnlit.callbacks.gradient_flow``). ``GradientFlowArbiter``: turn a parameter that silently stops learning into a named error.
+
+A thin adapter over :mod:`bnlit.gradient_flow` (the checks, their settings and the report). At fit
+start it checks optimizer membership. Every optimizer step (``on_before_optimizer_step``: after the
+last micro-batch, after AMP unscaling, before clipping) the sentinel takes one fused norm pass,
+read every step on CPU and on logging steps on CUDA (the only host sync). At the first step, every
+``every_n_steps``, the last step and at once when the sentinel trips, the full check runs:
+gradients, membership, the fast path against the eager fp32 reference (first check) and, after
+the step, that each parameter changed. Every verdict is all-reduced, so under DDP/FSDP all ranks
+fail together. ``<checkpoint dir>/gradient_flow.json`` is written only when a check fails.
 """
 
 from __future__ import annotations
@@ -37,6 +48,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn as nn
 from lightning_utilities.core.apply_func import apply_to_collection
+
+from bnlit.errors import BnlitError, ConfigError
 
 Reduce = Callable[[torch.Tensor, str], torch.Tensor]
 NamedParameters = Iterable[tuple[str, torch.Tensor]]
@@ -632,6 +645,10 @@ class UpdateFlowReport:
         order = {n: i for i, n in enumerate(self.names)}
         return dict(sorted(found.items(), key=lambda kv: order[kv[0]]))
 
+    def findings(self, step: int) -> list[dict]:
+        return [dict(category="update", parameter=n, figure=self.update_ratio.get(n), threshold=None, step=step,
+                     message=why) for n, why in self.problems().items()]
+
     def to_dict(self) -> dict:
         return {**asdict(self), "ok": self.ok, "num_ok": self.num_ok, "problems": self.problems()}
 
@@ -795,6 +812,10 @@ class ParityReport:
     def problems(self) -> dict[str, str]:
         return dict(self.failed)
 
+    def findings(self, step: int) -> list[dict]:
+        return [dict(category="fast_path_parity", parameter=n, figure=self.cosine.get(n), threshold=self.min_cosine,
+                     step=step, message=why) for n, why in self.problems().items()]
+
     def to_dict(self) -> dict:
         return {**asdict(self), "ok": self.ok, "num_ok": self.num_ok, "problems": self.problems()}
 
@@ -863,3 +884,162 @@ def fast_path_parity(
     with eager_fp32(module) as ref_params, reference_context(next(iter(params.values())).device):
         ref = probe_gradients(ref_params, lambda: loss_fn(batch))
     return compare_gradients(fast, ref, min_cosine=min_cosine, max_rel_norm_error=max_rel_norm_error, reduce=reduce)
+
+
+# -- the arbiter's settings and verdicts (bnlit.callbacks.gradient_flow chooses when to run them) --
+
+REPORT_NAME = "gradient_flow.json"  # in the checkpoint directory, written only when a check fails
+MAX_DEFERRED = 10  # consecutive fp16 overflow steps tolerated before non-finite gradients fail
+PROBE_HOOK = "loss_for_batch"
+ALLOW_CATEGORIES = ("vanishing", "dead_rows", "frozen_in_optimizer")
+
+
+class GradientFlowError(BnlitError):
+    """A trainable parameter gets no gradient, a non-finite, all-zero, vanishing or partly dead
+    one, no update, sits frozen in an optimizer group, or gets a fast-path gradient that disagrees
+    with the eager fp32 reference."""
+
+
+@dataclass
+class ArbiterSettings:
+    """The arbiter's settings (``callbacks.gradient_flow.*``), validated on construction.
+
+    every_n_steps: the full check at optimizer step 1, then every this many steps, at the run's
+        last step (so the final ``grad/*`` values are the final step's), and at once whenever the
+        every-step sentinel trips.
+    on_fail: ``"raise"`` a :class:`GradientFlowError` (after writing the report) or ``"warn"``.
+    check_updates: snapshot the parameters on check steps and verify the optimizer changed each.
+    fast_path_parity: compare the configured fast path (precision plugin's autocast, compiled
+        model, fused kernels) with the eager fp32 reference on the first check step's batch,
+        through ``pl_module.loss_for_batch(batch) -> scalar loss``; a module without that hook
+        gets the probe skipped with one log line.
+    parity_every_n_steps: repeat the parity check this often (None: first check only; it costs
+        two extra forward/backward passes of the probe batch).
+    min_cosine, max_rel_norm_error: per-parameter parity tolerances.
+    probe_samples: the probe uses the first this many sequences of the step's last micro-batch.
+    probe_seq_len: and the first this many positions of each (dim 1 of 2+-dim tensors; None:
+        all). The eager fp32 reference with math attention is quadratic in it: the bound is
+        ``bnlit.flops.parity_probe_memory_bytes`` (printed by ``python -m bnlit.info``).
+    log_param_norms: log ``grad/<parameter>`` norms on check steps (``grad/norm`` is logged on
+        every logging step either way).
+    sentinel: run the every-step sentinel (missing, non-finite, zero and vanishing gradients,
+        frozen parameters in an optimizer group) between full checks.
+    vanishing_factor: a gradient-to-weight norm ratio this many times below the median of all
+        parameters is ``vanishing``.
+    dead_row_share: a matrix with at least this share of exactly-zero gradient rows is ``dead_rows``.
+    allow: ``{category: [fnmatch patterns of parameter names]}`` exempt from ``vanishing``,
+        ``dead_rows`` or ``frozen_in_optimizer`` (names as ``pl_module.named_parameters()``).
+    """
+
+    every_n_steps: int = 50
+    on_fail: str = "raise"
+    check_updates: bool = True
+    fast_path_parity: bool = True
+    parity_every_n_steps: int | None = None
+    min_cosine: float = 0.99
+    max_rel_norm_error: float = 0.05
+    probe_samples: int | None = 4
+    probe_seq_len: int | None = None
+    log_param_norms: bool = True
+    sentinel: bool = True
+    vanishing_factor: float = VANISHING_FACTOR
+    dead_row_share: float = DEAD_ROW_SHARE
+    allow: dict[str, list[str]] | None = None
+
+    def __post_init__(self) -> None:
+        where = "callbacks.gradient_flow"
+        if self.every_n_steps < 1:
+            raise ConfigError(f"{where}.every_n_steps={self.every_n_steps}: must be >= 1")
+        if self.on_fail not in ("raise", "warn"):
+            raise ConfigError(f"{where}.on_fail={self.on_fail!r}: use 'raise' or 'warn'")
+        if self.parity_every_n_steps is not None and self.parity_every_n_steps < 1:
+            raise ConfigError(f"{where}.parity_every_n_steps={self.parity_every_n_steps}: must be >= 1 or null")
+        if not self.vanishing_factor > 1:
+            raise ConfigError(f"{where}.vanishing_factor={self.vanishing_factor}: must be > 1 "
+                              f"(the default is {VANISHING_FACTOR:g})")
+        if not 0 < self.dead_row_share <= 1:
+            raise ConfigError(f"{where}.dead_row_share={self.dead_row_share}: must be in (0, 1] "
+                              f"(the default is {DEAD_ROW_SHARE})")
+        for key in ("probe_samples", "probe_seq_len"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise ConfigError(f"{where}.{key}={value}: must be >= 1 or null (all)")
+        self.allow = {k: list(v or []) for k, v in dict(self.allow or {}).items()}
+        unknown = sorted(set(self.allow) - set(ALLOW_CATEGORIES))
+        if unknown:
+            raise ConfigError(f"{where}.allow has unknown categor{'y' if len(unknown) == 1 else 'ies'} {unknown}: "
+                              f"use {list(ALLOW_CATEGORIES)}")
+
+
+def sentinel_findings(seen: Mapping[str, tuple[str, int]], named: set[str], step: int) -> list[dict]:
+    """Findings for what the every-step sentinel saw (``{name: (category, first step)}``) before
+    the full check at ``step`` and that check no longer names (``named``)."""
+    return [dict(category=category, parameter=name, figure=None, threshold=None, step=first, message=(
+                f"{category} gradient at step {first}, seen by the every-step sentinel (gone by the full check "
+                f"at step {step})"))
+            for name, (category, first) in seen.items() if first < step and name not in named and category in CATEGORIES]
+
+
+def failure_report(check: str, step: int, findings: list[dict], payload: dict, path) -> tuple[dict, str]:
+    """The failed check's report (``payload`` with the findings and ``{parameter: problems}``) and
+    its one-paragraph message naming every parameter and the report's ``path``."""
+    problems: dict[str, str] = {}
+    for f in findings:
+        line = f"[{f['category']}] {f['message']}"
+        problems[f["parameter"]] = f"{problems[f['parameter']]}; {line}" if f["parameter"] in problems else line
+    report = {**payload, "step": step, "check": check, "ok": False, "findings": findings, "problems": problems}
+    lines = "; ".join(f"{name} {why}" for name, why in problems.items())
+    return report, f"{check} failed at step {step} for {len(problems)} parameter(s): {lines}. Full report: {path}"
+
+
+def parity_probe(module: nn.Module, batch, settings: ArbiterSettings, fast_context, reduce: Reduce | None,
+                 step: int, precision: str) -> tuple[dict, ParityReport | None]:
+    """:func:`fast_path_parity` on the first ``probe_samples`` x ``probe_seq_len`` of ``batch``
+    through ``module.loss_for_batch``, and its report entry. A probe that cannot run (no hook, no
+    batch, or the hook raised) gives ``{"step", "skipped": why}`` and None, never an exception:
+    a diagnostic must not take the run down, nor hide the gradient check's verdict."""
+    hook = getattr(module, PROBE_HOOK, None)
+    if not callable(hook) or batch is None:
+        return {"step": step, "skipped": f"no {PROBE_HOOK}(batch) hook" if not callable(hook) else "no batch"}, None
+    probe = slice_batch(batch, settings.probe_samples, settings.probe_seq_len)
+    was_training = module.training
+    try:
+        parity = fast_path_parity(module, probe, hook, fast_context=fast_context, min_cosine=settings.min_cosine,
+                                  max_rel_norm_error=settings.max_rel_norm_error, reduce=reduce)
+    except Exception as e:  # noqa: BLE001
+        reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        return {"step": step, "skipped": reason}, None
+    finally:
+        module.train(was_training)
+    return {"step": step, "precision": precision, **parity.to_dict()}, parity
+
+
+def membership_verdict(named_parameters: NamedParameters, optimizers: Sequence[torch.optim.Optimizer],
+                       allow: Mapping[str, list[str]], reduce: Reduce | None,
+                       device: torch.device | str = "cpu") -> tuple[list[dict], dict]:
+    """The fit-start optimizer-membership check (:func:`param_group_report`) as (findings, report
+    payload), empty when it passes on every rank. Under ``reduce`` a rank whose own optimizer is
+    fine fails too when another's is mis-built, so no rank waits for it in a collective."""
+    report = param_group_report(named_parameters, optimizers, allow)
+    if reduce is not None:
+        bad = reduce(torch.tensor([0.0 if report.ok else 1.0], device=device), "sum").item()
+        if bad > 0 and report.ok:
+            return [dict(category="not_in_optimizer", parameter="(all parameters)", figure=None, threshold=None,
+                         message=f"the optimizer is mis-built on {int(bad)} other rank(s)")], {}
+    return ([], {}) if report.ok else (report.findings(), {"param_groups": report.to_dict()})
+
+
+def full_check(named: list[tuple[str, torch.Tensor]], optimizers: Sequence[torch.optim.Optimizer],
+               settings: ArbiterSettings, row_exempt: Mapping, seen: Mapping[str, tuple[str, int]], step: int, *,
+               reduce: Reduce | None, sharded: bool, world_size: int) -> tuple[GradientFlowReport, list[dict], dict]:
+    """The full check at ``step``: gradients and optimizer membership, plus what the sentinel saw
+    since the last one. Returns the gradient report, the findings and the report payload."""
+    membership = param_group_report(named, optimizers, settings.allow)
+    report = gradient_flow_report(named, reduce=reduce, sharded=sharded, world_size=world_size,
+                                  vanishing_factor=settings.vanishing_factor, dead_row_share=settings.dead_row_share,
+                                  row_exempt=row_exempt, allow=settings.allow)
+    findings = [{**f, "step": step} for f in membership.findings() + report.findings()]
+    findings += sentinel_findings(seen, {f["parameter"] for f in findings}, step)
+    payload = {"step": step, "gradients": report.to_dict(), "param_groups": membership.to_dict(),
+               "sentinel": {n: {"category": c, "first_step": f} for n, (c, f) in seen.items()}}
+    return report, findings, payload

@@ -1,10 +1,29 @@
 """Divergence checks behind the NaN/spike guard (``callbacks/nan_guard.py``): a step is bad when
 its loss or gradient norm is not finite, or its loss exceeds ``spike_factor`` times the running
-average of the good losses before it (after ``warmup`` good steps)."""
+average of the good losses before it (after ``warmup`` good steps).
+
+``halt`` raises, naming the step and batch index; ``skip`` drops the batch (up to ``max_skips``).
+Either way no update is ever applied from a bad step, and a checkpoint of non-finite weights is
+refused, so the last good checkpoint is never overwritten by a diverged state. Two ways to keep
+that promise (:class:`StepGuard` serves both):
+
+- **On the device** (an optimizer that takes ``found_inf``: fused AdamW, as on ``trainer=h100``;
+  not with an fp16 ``GradScaler``, which owns that flag): the verdict is computed on the device
+  and handed to the optimizer's ``found_inf``, which makes the fused kernel leave weights,
+  moments and step count untouched. Nothing is read to the host until the next logging step, a
+  checkpoint or the end of training, where the pending steps are read in one copy
+  (:meth:`StepGuard.settle`): ``halt`` raises then, naming the bad step; ``skip`` logs and counts it.
+- **On the host** (any other optimizer): the verdict is read every optimizer step and a bad
+  batch's gradients are dropped (``p.grad = None``: AdamW skips those parameters entirely).
+
+The spike rule's running average lives on the device in both cases. Under DDP the verdict is
+all-reduced (a device tensor), so every rank takes the same decision."""
 
 from __future__ import annotations
 
+import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -12,6 +31,7 @@ import torch
 from bnlit.errors import BnlitError
 
 POLICIES = ("halt", "skip")
+log = logging.getLogger("bnlit")
 
 
 class DivergenceError(BnlitError):
@@ -92,3 +112,88 @@ class SkipBudget:
             return False
         self.skipped.append((step, batch_idx))
         return True
+
+
+@dataclass
+class PendingStep:
+    step: int
+    batch_idx: int
+    epoch: int
+    bad: torch.Tensor
+    values: torch.Tensor  # loss, gradient norm (0: not checked), running average before, good steps before
+
+
+def grad_norm(grads: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """The total L2 norm of ``grads`` on ``like``'s device and dtype (FSDP2 shards reduced)."""
+    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+    if hasattr(norm, "full_tensor"):  # FSDP2: a norm of sharded DTensor gradients, reduced here
+        norm = norm.full_tensor()
+    return norm.to(like.device, like.dtype)
+
+
+class StepGuard:
+    """The guard's state: the spike tracker (kept on the device between settles), the skip budget
+    and the steps judged on the device but not yet read to the host."""
+
+    def __init__(self, policy: str, tracker: SpikeTracker, budget: SkipBudget):
+        self.policy, self.tracker, self.budget = policy, tracker, budget
+        self._average: torch.Tensor | None = None
+        self._seen: torch.Tensor | None = None
+        self.pending: list[PendingStep] = []
+
+    def judge(self, loss: torch.Tensor, norm: torch.Tensor | None, where: tuple[int, int, int],
+              reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """The step's verdict as a device bool (``reduce``: the sum over ranks), kept pending;
+        ``where`` is (step, batch index, epoch)."""
+        if self._average is None:
+            avg = math.nan if self.tracker.average is None else self.tracker.average
+            self._average = torch.tensor(avg, dtype=torch.float32, device=loss.device)
+            self._seen = torch.tensor(self.tracker.seen, device=loss.device)
+        bad = bad_on_device(loss, norm, self._average, self._seen, self.tracker)
+        if reduce is not None:  # one scalar all-reduce, no host read
+            bad = reduce(bad.float()) > 0
+        unchecked = torch.zeros_like(loss)  # a finite norm: judged by the loss alone
+        values = torch.stack([loss, unchecked if norm is None else norm, self._average, self._seen.to(loss.dtype)])
+        self.pending.append(PendingStep(*where, bad, values))
+        self._average, self._seen = update_on_device(loss, bad, self._average, self._seen, self.tracker.beta)
+        return bad
+
+    def settle(self) -> bool:
+        """Read the pending verdicts to the host in one copy; raise for ``halt`` (or a spent skip
+        budget), record skips. True if any pending step was bad."""
+        if not self.pending:
+            return False
+        pending, self.pending = self.pending, []
+        flags = torch.stack([s.bad for s in pending]).tolist()
+        self.tracker.load_state_dict(self.tracker_state())
+        if not any(flags):
+            return False
+        rows = torch.stack([s.values for s in pending]).tolist()
+        for s, (loss, norm, avg, seen) in ((s, r) for s, bad, r in zip(pending, flags, rows) if bad):
+            then = SpikeTracker(self.tracker.factor, self.tracker.beta, self.tracker.warmup,
+                                average=None if int(seen) == 0 else avg, seen=int(seen))
+            reason = verdict(loss, norm, then) or "bad loss or gradient on another rank"
+            where = f"step {s.step}, batch index {s.batch_idx} (epoch {s.epoch})"
+            if self.policy == "halt":
+                raise DivergenceError(f"{reason} at {where}; the last good checkpoint is untouched; resume with "
+                                      "ckpt_path=last and a lower optimizer.lr, or set callbacks.nan_guard.policy=skip")
+            if not self.budget.take(s.step, s.batch_idx):
+                raise DivergenceError(f"{reason} at {where} after skipping max_skips={self.budget.max_skips} "
+                                      "batches; lower optimizer.lr or inspect the data, then resume with ckpt_path=last")
+            log.warning("nan_guard: skipped %s: %s (%d of max_skips=%d)", where, reason,
+                        len(self.budget.skipped), self.budget.max_skips)
+        return True
+
+    def tracker_state(self) -> dict:
+        if self._average is None:
+            return self.tracker.state_dict()
+        avg, seen = torch.stack([self._average, self._seen.to(self._average.dtype)]).tolist()
+        return {"average": None if int(seen) == 0 else avg, "seen": int(seen)}
+
+    def state_dict(self) -> dict:
+        return {"tracker": self.tracker_state(), "skipped": [list(s) for s in self.budget.skipped]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.tracker.load_state_dict(state["tracker"])
+        self._average = self._seen = None  # rebuilt on the device from the tracker at the next step
+        self.budget.skipped = [tuple(s) for s in state["skipped"]]

@@ -22,26 +22,26 @@ GIB = 1 << 30
 def model_info(overrides: list[str]) -> dict:
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("train", overrides=overrides)
-    mc = instantiate(cfg.model.config)
+    model_cfg = instantiate(cfg.model.config)
     seq_len, micro = cfg.data.seq_len, cfg.data.batch_size
     accum, devices = cfg.trainer.accumulate_grad_batches, cfg.trainer.devices
-    mem = training_memory_bytes(mc, seq_len, micro, cfg.model.activation_checkpointing)
+    mem = training_memory_bytes(model_cfg, seq_len, micro, cfg.model.activation_checkpointing)
     return {
-        "preset": mc.name,
-        **param_counts(mc),
-        "vocab_size": mc.vocab_size,
+        "preset": model_cfg.name,
+        **param_counts(model_cfg),
+        "vocab_size": model_cfg.vocab_size,
         "seq_len": seq_len,
-        "flops_per_token": flops_per_token(mc, seq_len),
-        "flops_per_token_6n": 6 * param_counts(mc)["n_params"],
+        "flops_per_token": flops_per_token(model_cfg, seq_len),
+        "flops_per_token_6n": 6 * param_counts(model_cfg)["n_params"],
         "micro_batch": micro,
         "tokens_per_optimizer_step_per_device": micro * seq_len * accum,
         "devices": devices,
         "memory_estimate_gib": {k: round(v / GIB, 2) for k, v in mem.items()},
-        **probe_memory(cfg, mc, seq_len, micro),
+        **probe_memory(cfg, model_cfg, seq_len, micro),
     }
 
 
-def probe_memory(cfg, mc, seq_len: int, micro: int) -> dict:
+def probe_memory(cfg, model_cfg, seq_len: int, micro: int) -> dict:
     """The gradient-flow arbiter's parity probe: its slice of the micro-batch and a bound on the
     device's peak while it runs (the probe runs between the training backward and the optimizer
     step, so it must stay below the training step's peak, not add to it)."""
@@ -50,7 +50,7 @@ def probe_memory(cfg, mc, seq_len: int, micro: int) -> dict:
         return {}
     samples = min(micro, arbiter.get("probe_samples") or micro)
     tokens = min(seq_len, arbiter.get("probe_seq_len") or seq_len)
-    mem = parity_probe_memory_bytes(mc, samples, tokens)
+    mem = parity_probe_memory_bytes(model_cfg, samples, tokens)
     return {"parity_probe": f"{samples} sequences x {tokens} tokens",
             "parity_probe_memory_estimate_gib": {k: round(v / GIB, 2) for k, v in mem.items()}}
 

@@ -219,6 +219,11 @@ class LMModule(L.LightningModule):
         self.log("step", float(self.global_step))
         self._val_losses = []
 
+    def on_validation_end(self) -> None:
+        # the "step" logged above is the loggers' x value only: left in callback_metrics it would
+        # name the next checkpoints (ModelCheckpoint's {step}) after this validation's step
+        self.trainer.callback_metrics.pop("step", None)
+
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         plugin = self.trainer.precision_plugin
         if gradient_clip_val and isinstance(plugin, MixedPrecision) and plugin.scaler is None:

@@ -12,10 +12,20 @@ Input is a JSONL file of ``{"context": str, "choices": [str, ...], "label": int}
 Belebele's own rows (``flores_passage``, ``question``, ``mc_answer1..4``, ``correct_answer_num``,
 as in the ``facebook/belebele`` files such as ``ben_Beng.jsonl``), scored as a cloze: the passage
 and question as context, each answer as a continuation (:func:`belebele_item`).
+
+**The callback** (``bnlit.callbacks.multiple_choice``). ``MultipleChoiceEval``: multiple-choice accuracy during training, at a validation cadence,
+logged next to its chance baseline.
+
+Each task is a local JSONL file of ``{"context", "choices", "label"}`` (or Belebele's own fields,
+see :func:`bnlit.multiple_choice.load_items`), scored the way lm-eval-harness scores HellaSwag/PIQA/ARC
+(:func:`bnlit.multiple_choice.score_items`). Metrics: ``multiple_choice/<task>_acc_norm``, ``..._acc`` and
+``..._chance``. Scoring runs on global rank zero under ``fork_rng`` and ``no_grad`` and restores
+the model's mode, so training is untouched.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass
@@ -120,3 +130,18 @@ def score_items(model: nn.Module, tokenizer, items: list[MultipleChoiceItem], ma
         "chance": sum(1 / len(it.choices) for it in items) / n,
         "predictions": preds_norm,
     }
+
+
+def score_tasks(model, tokenizer, tasks: dict[str, list], max_len: int, context=None) -> tuple[dict[str, dict], dict[str, float]]:
+    """:func:`score_items` for each task (without predictions) and the ``multiple_choice/`` metrics,
+    under ``context`` (e.g. the precision plugin's autocast) and ``fork_rng``: training is untouched."""
+    device = next(model.parameters()).device
+    results, metrics = {}, {}
+    with torch.random.fork_rng(devices=[device.index] if device.type == "cuda" else []), \
+            (context or contextlib.nullcontext()):
+        for name, items in tasks.items():
+            r = score_items(model, tokenizer, items, max_len)
+            r.pop("predictions")
+            results[name] = r
+            metrics |= {f"multiple_choice/{name}_{k}": r[k] for k in ("acc_norm", "acc", "chance")}
+    return results, metrics

@@ -97,3 +97,14 @@ def native_log_lines(on_line: Callable[[str], bool]) -> Iterator[None]:
         os.dup2(saved, 2)  # closes the pipe's last write end: the pump sees EOF
         thread.join(timeout=5)
         os.close(saved)
+
+
+def run_total_steps(trainer) -> int | None:
+    """Optimizer steps the run will take: ``max_steps``, or the epochs' worth when only
+    ``max_epochs`` bounds it; None when neither does."""
+    if trainer.max_steps and trainer.max_steps > 0:
+        return trainer.max_steps
+    batches = trainer.num_training_batches
+    if trainer.max_epochs and trainer.max_epochs > 0 and batches != float("inf"):
+        return trainer.max_epochs * max(1, int(batches) // trainer.accumulate_grad_batches)
+    return None

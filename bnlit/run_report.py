@@ -100,7 +100,7 @@ def sweep_group() -> str | None:
 # plot name -> predicate on a metric key
 PLOTS = {
     "loss": lambda k: k == "train/loss" or (k.startswith("val/") and k.endswith("loss")),
-    "mfu": lambda k: k == "perf/mfu",
+    "mfu": lambda k: k == "throughput/mfu",
     "fertility": lambda k: k.startswith("tok/") and k.endswith("chars_per_token"),
     "twin_gap": lambda k: k.startswith("twin/") and "gap" in k,
     # bigram minus trained bits/char per language: above zero once the model beats the bigram
@@ -288,7 +288,7 @@ def write_summary(run_dir: str | os.PathLike, metrics: Mapping[str, float] | Non
     if fast_path:
         lines += [f"{fast_path}", ""]
     if final:
-        headline = {k: v for k, v in final.items() if k in ("perf/tokens_per_s", "val/loss")
+        headline = {k: v for k, v in final.items() if k in ("throughput/tokens_per_s", "val/loss")
                     or any(wanted(k) for wanted in PLOTS.values())}
         # the step each value was logged at: a metric logged every N steps (grad/*) shows its last
         step = {k: v[-1][0] for k, v in series.items() if v}
@@ -331,10 +331,11 @@ def write_summary(run_dir: str | os.PathLike, metrics: Mapping[str, float] | Non
     return out
 
 
-def print_report(cfg: DictConfig, metrics: Mapping[str, float], loggers: Sequence) -> None:
-    """The last lines of a run on the console: the final losses and where every output went."""
+def print_report(cfg: DictConfig, metrics: Mapping[str, float], loggers: Sequence, timing: Mapping | None = None) -> None:
+    """The last lines of a run on the console: the final losses (as ``summary.md`` writes them),
+    where every output went and, with ``timing``, the wall time, threads and load average."""
     out = Path(cfg.paths.output_dir)
-    fmt = lambda k: f"{metrics[k]:.4f}" if k in metrics else "n/a"  # noqa: E731
+    fmt = lambda k: format_value(k, metrics[k]) if k in metrics else "n/a"  # noqa: E731
     lines = [
         f"train/loss {fmt('train/loss')}  val/loss {fmt('val/loss')}",
         f"run dir     {out}",
@@ -345,7 +346,20 @@ def print_report(cfg: DictConfig, metrics: Mapping[str, float], loggers: Sequenc
     for lg in loggers:
         where = getattr(lg, "log_dir", None) or getattr(lg, "save_dir", None)
         lines.append(f"metrics     {type(lg).__name__}: {where}")
+    if timing:
+        load = lambda x: "n/a" if x is None else f"{x:.1f}"  # noqa: E731
+        lines.append(f"wall time   {format_duration(timing['wall_s'])} ({timing['threads']} threads; load average "
+                     f"{load(timing['load_start'])} at start, {load(timing['load_end'])} at end)")
     print("\n".join(lines), flush=True)
+
+
+def format_duration(seconds: float) -> str:
+    """3725.4 -> '1h 02m 05s'; 95 -> '1m 35s'; 4.2 -> '4.2 s'."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    m, s = divmod(round(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h {m:02d}m {s:02d}s" if h else f"{m}m {s:02d}s"
 
 
 if __name__ == "__main__":

@@ -10,6 +10,14 @@ is below its best value before them by more than ``min_delta`` (relative). With 
 languages, a language that has not improved while another has is starved. The series can be any
 per-language held-out loss; NLL/token on a fixed slice and bits/char on it differ by a constant
 factor (the slice's tokens per character / ln 2), so the verdict is the same for both.
+
+**The callback** (``bnlit.callbacks.starvation``). ``LanguageStarvation``: with two or more languages, warn or stop when one language's held-out
+loss has not improved over the last ``patience`` validations while another's has (a mixture
+weight of 0.01, a tokenizer that inflates one language's token count).
+
+The maths is :mod:`bnlit.starvation`; this callback reads each language's ``val/<lang>_loss``
+(NLL/token on the same held-out windows every time, so its trend is the trend of bits/char),
+decides at every validation, and reports every language's trend at the end of training.
 """
 
 from __future__ import annotations
@@ -69,3 +77,15 @@ def starvation_message(lang: str, trends: Mapping[str, LanguageTrend], patience:
             f"(best {t.best_before:.3f} before, {t.best_recent:.3f} since; step {step}) while {fed} did; "
             f"raise data.sources' weight for {lang}, check its tokenizer fertility, or set "
             "callbacks.starvation.on_starved=warn")
+
+
+def starvation_table(history: Mapping[str, Sequence[float]], trends: Mapping[str, LanguageTrend],
+                     starved: Mapping[str, int]) -> tuple[list[str], list[list]]:
+    """Columns and rows of ``starvation/table``: each language's first, best and last held-out
+    loss, whether it improved in the last window, and the step it was first found starved."""
+    columns = ["language", "first_val_loss", "best_before_window", "best_in_window", "last_val_loss",
+               "improved", "starved_at_step"]
+    rows = [[lang, series[0], t.best_before if t else None, t.best_recent if t else None, series[-1],
+             t.improved if t else None, starved.get(lang)]
+            for lang, series in history.items() for t in [trends.get(lang)]]
+    return columns, rows

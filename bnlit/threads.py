@@ -5,6 +5,17 @@ each extra OpenMP thread waits at every barrier for a core the scheduler gives t
 and a step slows by far more than the load ratio (README "Threads and load": paired
 ``scripts/bench_threads.py`` figures). ``threads: auto`` therefore asks for the cores that are
 idle now, at least one; an integer pins the count.
+
+**The callback** (``bnlit.callbacks.threads``). ``ThreadsFollowLoad``: with ``threads: auto``, re-choose torch's CPU thread count during the run
+as the machine's load changes (:func:`bnlit.threads.rechoose_threads`), not only at start.
+
+The start-time choice (:func:`bnlit.threads.set_threads`) sees the load of a moment; a run that
+started on an idle machine keeps every core when other jobs arrive, and each extra OpenMP thread
+then waits at every barrier for a core another job holds (README "Threads and load": 2 threads
+1.8-2.0x slower than 1 at a load of 7-30 on 2 cores). Every ``every_n_steps`` optimizer steps this
+callback reads the 1-minute load average and applies the new count when it differs, logging the
+change and why. A pinned ``threads=N``, a non-CPU accelerator or an OS without a load average:
+nothing to do.
 """
 
 from __future__ import annotations
@@ -50,6 +61,17 @@ def choose_threads(setting: int | str, cpus: int, load: float | None) -> tuple[i
     if isinstance(setting, int) and not isinstance(setting, bool) and setting >= 1:
         return setting, "set by threads"
     raise ConfigError(f"threads={setting!r}: use auto or an integer >= 1, e.g. threads=1 on a busy machine")
+
+
+def rechoose_threads(cpus: int, load: float, current: int) -> tuple[int, str]:
+    """``(threads, why)`` for a running ``threads: auto`` process that uses ``current`` threads at
+    1-minute ``load``. Its own busy threads are part of the load, so the other jobs' share is
+    ``load - current``; the idle cores are what is left of ``cpus``, rounded, between 1 and ``cpus``.
+    (Without that correction a quiet machine would read its own 2 threads as 2 busy cores and
+    drop to 1.)"""
+    others = max(0.0, load - current)
+    idle = max(1, min(cpus, math.floor(cpus - others + 0.5)))
+    return idle, f"auto: {cpus} cores, load average {load:.2f} of which ~{others:.1f} other jobs leaves {idle} idle"
 
 
 def set_threads(setting: int | str) -> int:

@@ -5,13 +5,33 @@ model FLOPs per token come from :func:`bnlit.flops.flops_per_token`, the peak fr
 **dense** bf16 tensor-core figures (the datasheets print the 2:4-sparse figure first; the dense one
 is half of it). A device the table does not know, and the CPU, are measured instead: the best
 rate of a large matmul in the training dtype, labelled ``measured`` wherever it is reported.
-Nothing here touches a Trainer; :mod:`bnlit.callbacks.throughput` is the adapter.
+Nothing here touches a Trainer; :mod:`bnlit.callbacks.throughput` is the adapter: it reads the
+host clock at batch boundaries and never synchronises on those; on CUDA it syncs the device once
+per logging step, right before it reads the clock that closes the window (a Python float logged
+through Lightning becomes a device tensor, a copy that waits for the stream). The first optimizer
+step (compilation, allocator warm-up) never enters the window; validation and checkpoint saves are
+left out of it. (Not Lightning's own ``ThroughputMonitor``, which needs a per-batch FLOP count and
+has no MFU floor.)
+
+Logged on rank zero, per device and in total (world size x rank zero's rate: DDP ranks step in
+lockstep): :func:`throughput_metrics` -- ``throughput/tokens_per_s``, ``throughput/samples_per_s``,
+``throughput/tflops`` (and ``*_per_device``), ``throughput/mfu`` (percent of
+``throughput/peak_tflops``, with ``throughput/peak_measured`` 1.0 for a measured matmul peak rather
+than a datasheet figure), ``throughput/step_ms``, ``throughput/data_wait_pct`` (share of wall time
+between a batch's end and the next one's start: the loader, host-to-device copy and loop
+bookkeeping), and ``memory/peak_gib`` on CUDA or ``memory/peak_rss_gib`` on CPU.
+
+The MFU floor: after ``warmup_steps``, a window whose MFU is below ``min_mfu_pct`` (on CUDA;
+``cpu_min_mfu_pct`` on CPU, off by default) for ``patience`` consecutive logging steps warns loudly,
+or raises :class:`LowMFUError` with ``on_low_mfu: raise`` (all ranks decide together).
 """
 
 from __future__ import annotations
 
 import functools
 import re
+import resource
+import sys
 import time
 from collections import deque
 from collections.abc import Callable
@@ -19,7 +39,35 @@ from dataclasses import dataclass
 
 import torch
 
+from bnlit.errors import BnlitError
+
 UNKNOWN = "unknown"
+_PRECISION_DTYPES = {"bf16": torch.bfloat16, "16": torch.float16, "64": torch.float64}
+
+
+class LowMFUError(BnlitError):
+    """The run's model-FLOPs utilisation stayed below the configured floor after warm-up."""
+
+
+def precision_dtype(precision: str) -> torch.dtype:
+    """The compute dtype of a Lightning precision string (``"bf16-mixed"`` -> bfloat16)."""
+    return _PRECISION_DTYPES.get(str(precision).split("-")[0], torch.float32)
+
+
+def batch_shape(batch) -> tuple[int, int]:
+    """(samples, tokens per sample) of an ``(x, y)`` batch or a bare tensor; shapes only, no sync."""
+    x = batch[0] if isinstance(batch, (tuple, list)) else batch
+    if not isinstance(x, torch.Tensor) or x.ndim < 1:
+        return 0, 0
+    return int(x.shape[0]), int(x.shape[1]) if x.ndim > 1 else 1
+
+
+def peak_memory_gib(device: torch.device) -> tuple[str, float]:
+    """(metric key, GiB): the allocator's peak on CUDA, else the process's peak resident set."""
+    if device.type == "cuda":
+        return "memory/peak_gib", torch.cuda.max_memory_allocated(device) / 2**30
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return "memory/peak_rss_gib", rss / (2**30 if sys.platform == "darwin" else 2**20)
 
 
 @dataclass(frozen=True)
@@ -196,6 +244,28 @@ def throughput_stats(records, peak_flops: float | None, world_size: int = 1) -> 
         "step_ms": 1e3 * elapsed / len(records),
         "data_wait_pct": 100.0 * sum(r.wait_s for r in records) / elapsed,
     }
+
+
+def throughput_metrics(stats: dict, peak: "Peak | None", has_flops: bool) -> dict[str, float]:
+    """The ``throughput/`` metrics of :func:`throughput_stats`: rates only without a FLOP count
+    (``has_flops`` False), else TFLOP/s, ``mfu`` and the peak it is relative to."""
+    metrics = {f"throughput/{k}": v for k, v in stats.items() if k != "mfu_pct"}
+    if not has_flops:
+        return {k: v for k, v in metrics.items() if "tflops" not in k}
+    if stats["mfu_pct"] is not None:
+        metrics["throughput/mfu"] = stats["mfu_pct"]
+    if peak is not None:  # what the MFU is relative to: 1.0 marks a measured (not datasheet) peak
+        metrics["throughput/peak_tflops"] = peak.flops / 1e12
+        metrics["throughput/peak_measured"] = float(peak.measured)
+    return metrics
+
+
+def low_mfu_message(stats: dict, floor: float, step: int, peak: "Peak") -> str:
+    return (f"MFU {stats['mfu_pct']:.2f}% is below the floor of {floor:g}% at step {step} "
+            f"({stats['tokens_per_s']:,.0f} tokens/s, {stats['step_ms']:.1f} ms/step, "
+            f"{stats['data_wait_pct']:.1f}% waiting for data) against the {peak.describe()}. "
+            "Check trainer.precision (bf16-mixed), module.compile, module.sdpa_backend, module.loss_impl, "
+            "optimizer.fused, data.num_workers and the micro-batch size; or lower callbacks.throughput.min_mfu_pct")
 
 
 class StepTimer:

@@ -24,7 +24,8 @@ import bnlit.resolvers  # noqa: F401  (registers ${bnlit.*} resolvers)
 from bnlit import CONF_DIR
 from bnlit.checkpointing import Interrupted, prepare_resume, remove_partial_writes
 from bnlit.errors import BnlitError, ConfigError
-from bnlit.run_report import format_value, redact, run_tags, sweep_group, write_summary
+from bnlit.host_malloc import KEEP_BYTES, keep_freed_memory
+from bnlit.run_report import print_report, redact, run_tags, sweep_group, write_summary
 from bnlit.threads import load_average, set_threads
 from bnlit.validate import instantiate_checked, validate_config
 
@@ -46,6 +47,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
     start = time.perf_counter()
     validate_config(cfg)  # seconds, before anything is built or written
     threads = set_threads(cfg.get("threads", "auto"))
+    if cfg.get("keep_freed_memory") and str(cfg.trainer.get("accelerator")) == "cpu" and keep_freed_memory():
+        log.info("host memory: freed tensors kept for reuse (glibc mmap/trim thresholds %d MiB)", KEEP_BYTES >> 20)
     load_at_start = load_average()
     callbacks = instantiate_group(cfg.get("callbacks"))  # their own argument checks, also before the data build
     checkpoint_dir = Path(cfg.paths.checkpoint_dir)
@@ -79,7 +82,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
         write_summary(Path(cfg.paths.output_dir), metrics, fast_path=getattr(module, "fast_path", None))
         timing = {"wall_s": time.perf_counter() - start, "threads": threads, "load_start": load_at_start,
                   "load_end": load_average()}
-        report(cfg, metrics, loggers, timing)
+        print_report(cfg, metrics, loggers, timing)
     return metrics
 
 
@@ -98,35 +101,6 @@ def needs_final_validation(trainer: L.Trainer) -> bool:
     if not isinstance(interval, int):  # a fraction of an epoch: Lightning validated at the epoch end
         return False
     return trainer.global_step > 0 and trainer.global_step % interval != 0
-
-
-def report(cfg: DictConfig, metrics: dict[str, float], loggers: list, timing: dict | None = None) -> None:
-    out = Path(cfg.paths.output_dir)
-    fmt = lambda k: format_value(k, metrics[k]) if k in metrics else "n/a"  # noqa: E731  (as summary.md)
-    lines = [
-        f"train/loss {fmt('train/loss')}  val/loss {fmt('val/loss')}",
-        f"run dir     {out}",
-        f"config      {out / '.hydra' / 'config.yaml'}",
-        f"tokenizer   {out / 'tokenizer.model'}",
-        f"checkpoints {cfg.paths.checkpoint_dir} (last.ckpt)",
-    ]
-    for lg in loggers:
-        where = getattr(lg, "log_dir", None) or getattr(lg, "save_dir", None)
-        lines.append(f"metrics     {type(lg).__name__}: {where}")
-    if timing:
-        load = lambda x: "n/a" if x is None else f"{x:.1f}"  # noqa: E731
-        lines.append(f"wall time   {format_duration(timing['wall_s'])} ({timing['threads']} threads; load average "
-                     f"{load(timing['load_start'])} at start, {load(timing['load_end'])} at end)")
-    print("\n".join(lines), flush=True)
-
-
-def format_duration(seconds: float) -> str:
-    """3725.4 -> '1h 02m 05s'; 95 -> '1m 35s'; 4.2 -> '4.2 s'."""
-    if seconds < 60:
-        return f"{seconds:.1f} s"
-    m, s = divmod(round(seconds), 60)
-    h, m = divmod(m, 60)
-    return f"{h}h {m:02d}m {s:02d}s" if h else f"{m}m {s:02d}s"
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")

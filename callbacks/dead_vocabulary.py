@@ -1,40 +1,20 @@
-"""``DeadVocabulary``: at the end of training, the tokenizer pieces the model never trained on.
-
-Two lists (:mod:`bnlit.dead_vocabulary`): pieces that never occur in the training shards, and
-pieces whose embedding row was never looked up by a training batch, so never received an
-input-side gradient (tracked here on the device, one scatter per batch, no host sync). The
-report goes to the log, ``vocab/`` metrics, the table ``vocab/dead`` and
-``<run dir>/dead_vocabulary.json`` (every id)."""
+"""``DeadVocabulary``: at the end of training, the tokenizer pieces the model never trained on
+(:mod:`bnlit.dead_vocabulary`); the embedding rows looked up are tracked here on the device."""
 
 from __future__ import annotations
 
 import logging
 
 import lightning as L
-import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
-from bnlit.dead_vocabulary import dead_vocabulary, format_report
+from bnlit import dead_vocabulary as dv
 from bnlit.errors import ConfigError
 from bnlit.run_report import log_metrics, log_table, run_dir, write_json_atomic
 
 log = logging.getLogger(__name__)
 REPORT_FILE = "dead_vocabulary.json"
-
-
-def training_counts(datamodule, chunk_tokens: int = 1 << 24) -> dict[str, np.ndarray]:
-    """Per language, how often each token id occurs in the training shards (read in chunks)."""
-    from bnlit.data.shards import read_tokens
-
-    V = datamodule.tokenizer.vocab_size
-    out: dict[str, np.ndarray] = {}
-    for name, entry in datamodule.index["sources"].items():
-        counts = out.setdefault(entry["language"], np.zeros(V, dtype=np.int64))
-        tokens = read_tokens(datamodule.shard_dir, datamodule.index, name, "train")
-        for start in range(0, len(tokens), chunk_tokens):
-            counts += np.bincount(np.asarray(tokens[start:start + chunk_tokens], dtype=np.int64), minlength=V)
-    return out
 
 
 class DeadVocabulary(L.Callback):
@@ -71,25 +51,13 @@ class DeadVocabulary(L.Callback):
             looked_up = trainer.strategy.reduce(looked_up.to(torch.int32), reduce_op="sum") > 0
         if not trainer.is_global_zero:
             return
-        counts = training_counts(dm)
+        counts = dv.training_counts(dm)
         seen = looked_up.cpu().numpy() if looked_up is not None else None
-        self.report = dead_vocabulary(dm.tokenizer, counts, seen, self.sample)
-        rank_zero_info(format_report(self.report))
+        self.report = dv.dead_vocabulary(dm.tokenizer, counts, seen, self.sample)
+        rank_zero_info(dv.format_report(self.report))
         write_json_atomic(run_dir(trainer) / REPORT_FILE, self.report)
-        metrics = {"vocab/never_in_training": self.report["never_in_training"]["pieces"],
-                   "vocab/never_in_training_share": self.report["never_in_training"]["pieces_share"]}
-        if seen is not None:
-            metrics |= {"vocab/never_looked_up": self.report["never_looked_up"]["pieces"],
-                        "vocab/never_looked_up_share": self.report["never_looked_up"]["pieces_share"]}
-        log_metrics(trainer, metrics, callback_metrics=True)
-        rows = []
-        for key in ("never_in_training", "never_looked_up"):
-            r = self.report.get(key)
-            if r is not None:
-                rows.append([key, r["pieces"], r["pieces_share"], r["by_kind"]["byte"], r["by_kind"]["special"],
-                             ", ".join(f"{k} {v}" for k, v in r["by_language"].items()), " ".join(r["sample"])])
-        log_table(trainer, "vocab/dead", ["list", "pieces", "share", "byte_pieces", "special_pieces",
-                                          "by_script", "sample"], rows)
+        log_metrics(trainer, dv.dead_vocabulary_metrics(self.report), callback_metrics=True)
+        log_table(trainer, "vocab/dead", *dv.dead_vocabulary_table(self.report))
 
     def state_dict(self) -> dict:
         return {"looked_up": self.looked_up.cpu()} if self.looked_up is not None else {}

@@ -1,11 +1,5 @@
-"""``FertilityCheck``: at the start of a run (the first ``fit``/``validate`` setup), measure each language's characters per token on its held-out
-slice, log it with the mixture's intended and delivered shares, and stop (or warn about) a run
-whose tokenizer starves a language or whose mixture no longer says what the config asked for.
-With ``parallel`` text configured it also measures the content-matched token premium and warns
-when it leaves ``premium_band``.
-
-The maths is :mod:`bnlit.fertility`; this callback only reads the data module's shard statistics
-(``split_stats``, ``val_tokens``, ``mixture``), logs, and decides whether to stop."""
+"""``FertilityCheck``: at the start of a run, each language's characters per token and the
+mixture's delivered shares, checked against floors (:mod:`bnlit.fertility`); stops or warns."""
 
 from __future__ import annotations
 
@@ -71,25 +65,13 @@ class FertilityCheck(L.Callback):
         if dm is None or not hasattr(dm, "split_stats"):
             rank_zero_warn("FertilityCheck: no bnlit data module attached; fertility not checked")
             return
-        stats = dm.split_stats("val").values()
-        val = fertility.heldout_fertility(stats, {st["language"]: dm.val_tokens(st["language"]) for st in stats},
-                                          dm.tokenizer)
-        mixture = getattr(dm, "mixture", None)
-        problems = fertility.floor_verdicts({k: v["chars_per_token"] for k, v in val.items()}, self.floors)
-        if mixture and self.check_shares:
-            cpt = {lang: fertility.chars_per_token(e["chars"], e["tokens"])
-                   for lang, e in fertility.language_counts(dm.split_stats("train").values()).items()}
-            problems += fertility.share_verdicts(mixture["intended"], mixture["tokens"], mixture["chars"], cpt,
-                                                 max_factor=self.max_factor, unit=mixture["unit"])
-        parallel = None
-        if self.parallel_texts:
-            parallel = fertility.report(self.parallel_texts, dm.tokenizer, parallel=True)
-            source = "parallel text " + ", ".join(f"{k}={v}" for k, v in self.parallel.items())
-            for p in fertility.premium_verdicts({k: v["premium"] for k, v in parallel.items()}, self.premium_band,
-                                                source):
-                rank_zero_warn(p)  # a premium off balance is a warning, never a stop
-        self.result, self.problems = {"validation": val, "mixture": mixture, "parallel": parallel}, problems
-        self._log(trainer, val, mixture, parallel)
+        source = "parallel text " + ", ".join(f"{k}={v}" for k, v in (self.parallel or {}).items())
+        self.result, self.problems, warnings = fertility.run_check(
+            dm, self.floors, self.max_factor, self.check_shares, self.parallel_texts, source, self.premium_band)
+        for w in warnings:
+            rank_zero_warn(w)  # a premium off balance is a warning, never a stop
+        problems, val = self.problems, self.result["validation"]
+        self._log(trainer, val, self.result["mixture"], self.result["parallel"])
         if problems:
             if self.on_fail == "raise":
                 raise TokenizerError(" | ".join(problems))
@@ -100,26 +82,5 @@ class FertilityCheck(L.Callback):
                                                           for k, v in val.items()))
 
     def _log(self, trainer: L.Trainer, val: dict, mixture: dict | None, parallel: dict | None = None) -> None:
-        metrics = {}
-        for lang, v in (parallel or {}).items():
-            metrics[f"tok/{lang}_parallel_chars_per_token"] = v["chars_per_token"]
-            metrics[f"tok/{lang}_parallel_premium"] = v["premium"]
-        for lang, v in val.items():
-            metrics[f"tok/{lang}_chars_per_token"] = v["chars_per_token"]
-            metrics[f"tok/{lang}_premium"] = v["premium"]
-            metrics[f"tok/{lang}_byte_fallback_rate"] = v["byte_fallback_rate"]
-            if mixture:
-                metrics[f"tok/{lang}_intended_share"] = mixture["intended"].get(lang, 0.0)
-                metrics[f"tok/{lang}_token_share"] = mixture["tokens"].get(lang, 0.0)
-                metrics[f"tok/{lang}_char_share"] = mixture["chars"].get(lang, 0.0)
-        log_metrics(trainer, metrics)
-        columns = ["language", "chars_per_token", "premium", "byte_fallback_rate", "unk_rate",
-                   "intended_share", "token_share", "char_share", "weight_unit",
-                   "parallel_chars_per_token", "parallel_premium"]
-        par = parallel or {}
-        rows = [[lang, v["chars_per_token"], v["premium"], v["byte_fallback_rate"], v["unk_rate"],
-                 *((mixture["intended"].get(lang), mixture["tokens"].get(lang), mixture["chars"].get(lang),
-                    mixture["unit"]) if mixture else (None, None, None, None)),
-                 par.get(lang, {}).get("chars_per_token"), par.get(lang, {}).get("premium")]
-                for lang, v in val.items()]
-        log_table(trainer, "tok/fertility", columns, rows)
+        log_metrics(trainer, fertility.fertility_metrics(val, mixture, parallel))
+        log_table(trainer, "tok/fertility", *fertility.fertility_table(val, mixture, parallel))

@@ -1,11 +1,6 @@
-"""Interrupt-safe runs: on SIGTERM, SIGUSR1/2 or Ctrl-C the run finishes the optimizer step it is
-in, writes an atomic checkpoint of that step, flushes the loggers and stops with
-``interrupted at step N: saved checkpoints/stepNNNNNNN.ckpt; resume with ckpt_path=last ...``.
-A SLURM job stopped by a requeue signal is requeued and continues by itself. The signal
-bookkeeping and the checkpoint hygiene are plain functions in :mod:`bnlit.checkpointing`.
-
-Cost: nothing per step on one process; one all-reduce of an int under torch.distributed, so
-that every rank stops after the same step (Lightning itself broadcasts a flag per step there)."""
+"""``InterruptCheckpoint``: on SIGTERM, SIGUSR1/2 or Ctrl-C finish the optimizer step, write an
+atomic checkpoint of it, flush the loggers and stop (a SLURM job on a requeue signal is requeued);
+the signal bookkeeping and checkpoint hygiene are :mod:`bnlit.checkpointing` (cost: its docstring)."""
 
 from __future__ import annotations
 
@@ -16,7 +11,9 @@ from pathlib import Path
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from bnlit.checkpointing import Interrupted, SignalLatch, adopt_step_checkpoints, agree, requeue_slurm_job, signal_number
+from bnlit.checkpointing import (
+    Interrupted, SignalLatch, adopt_step_checkpoints, agree, requeue_slurm_job, signal_number, step_checkpoint_path,
+)
 
 log = logging.getLogger("bnlit")
 
@@ -45,9 +42,9 @@ class InterruptCheckpoint(L.Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         self.latch.install()  # after Lightning's: this one decides
         self._step = trainer.global_step
-        mc = trainer.checkpoint_callback
-        if isinstance(mc, ModelCheckpoint):
-            adopt_step_checkpoints(mc, self.dirpath, trainer.global_step, delete=trainer.is_global_zero)
+        checkpoint_cb = trainer.checkpoint_callback
+        if isinstance(checkpoint_cb, ModelCheckpoint):
+            adopt_step_checkpoints(checkpoint_cb, self.dirpath, trainer.global_step, delete=trainer.is_global_zero)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         if trainer.global_step == self._step:  # inside a gradient accumulation: not a step boundary
@@ -56,7 +53,8 @@ class InterruptCheckpoint(L.Callback):
         signum = agree(self.latch.received or 0, trainer.strategy)
         if not signum or self._stop is not None:
             return
-        path = self._path(trainer)
+        path = step_checkpoint_path(trainer.checkpoint_callback, self.dirpath, trainer.global_step,
+                                    trainer.current_epoch)
         trainer.save_checkpoint(path)  # every rank takes part; rank zero writes, atomically
         # raised at the next hook, once Lightning has logged this step's metrics; a run whose
         # last step this was simply finishes
@@ -77,13 +75,6 @@ class InterruptCheckpoint(L.Callback):
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
         self.latch.restore()
-
-    def _path(self, trainer) -> Path:
-        mc = trainer.checkpoint_callback
-        if isinstance(mc, ModelCheckpoint) and mc.dirpath:
-            name = mc.format_checkpoint_name({"step": trainer.global_step, "epoch": trainer.current_epoch})
-            return Path(name)
-        return self.dirpath / f"step{trainer.global_step:07d}.ckpt"
 
     def _after(self, trainer, signum: int) -> None:
         """After the checkpoint: hand the signal to the program's own handler (submitit requeues

@@ -1,23 +1,17 @@
-"""``MultipleChoiceEval``: multiple-choice accuracy during training, at a validation cadence,
-logged next to its chance baseline.
-
-Each task is a local JSONL file of ``{"context", "choices", "label"}`` (or Belebele's own fields,
-see :func:`bnlit.multiple_choice.load_items`), scored the way lm-eval-harness scores HellaSwag/PIQA/ARC
-(:func:`bnlit.multiple_choice.score_items`). Metrics: ``multiple_choice/<task>_acc_norm``, ``..._acc`` and
-``..._chance``. Scoring runs on global rank zero under ``fork_rng`` and ``no_grad`` and restores
-the model's mode, so training is untouched."""
+"""``MultipleChoiceEval``: multiple-choice accuracy at a validation cadence, logged next to its
+chance baseline (``multiple_choice/<task>_acc_norm``, ``_acc``, ``_chance``); the tasks and the
+scoring are :mod:`bnlit.multiple_choice`."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
 import lightning as L
-import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 
 from bnlit.errors import ConfigError
-from bnlit.multiple_choice import load_items, score_items
+from bnlit.multiple_choice import load_items, score_tasks
 from bnlit.run_report import log_metrics
 
 
@@ -57,18 +51,9 @@ class MultipleChoiceEval(L.Callback):
         self._last_step = trainer.global_step
         if not trainer.is_global_zero:
             return
-        model = pl_module.model
-        dm = trainer.datamodule
+        model, dm = pl_module.model, trainer.datamodule
         max_len = getattr(dm, "seq_len", None) or model.config.max_seq_len
-        device = next(model.parameters()).device
-        devices = [device.index] if device.type == "cuda" else []
-        metrics = {}
-        with torch.random.fork_rng(devices=devices), trainer.strategy.precision_plugin.forward_context():
-            for name, items in self.tasks.items():
-                r = score_items(model, dm.tokenizer, items, max_len)
-                r.pop("predictions")
-                self.results[name] = r
-                metrics |= {f"multiple_choice/{name}_acc_norm": r["acc_norm"],
-                            f"multiple_choice/{name}_acc": r["acc"],
-                            f"multiple_choice/{name}_chance": r["chance"]}
+        results, metrics = score_tasks(model, dm.tokenizer, self.tasks, max_len,
+                                       trainer.strategy.precision_plugin.forward_context())
+        self.results.update(results)
         log_metrics(trainer, metrics, callback_metrics=True)

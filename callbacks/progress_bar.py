@@ -1,10 +1,6 @@
-"""The training progress bar counts the run's optimizer steps (``37/500``), with the run's ETA,
-across epoch boundaries (Lightning's own bar counts the batches of the current epoch).
-
-A resumed run starts the bar at its checkpoint's step, and the rate (hence the ETA) covers the
-steps this process ran, validation pauses included: ``smoothing=0`` averages over the whole run,
-so the ETA is the time the remaining steps will take at the pace seen so far.
-"""
+"""The training progress bar counts the run's optimizer steps (``37/500``, :func:`bnlit.progress.run_total_steps`)
+with the run's ETA, across epoch boundaries (Lightning's own bar counts the current epoch's batches).
+A resumed run starts at its checkpoint's step; ``smoothing=0`` makes the ETA the pace seen so far."""
 
 from __future__ import annotations
 
@@ -13,16 +9,7 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.callbacks import TQDMProgressBar
 
-
-def run_total_steps(trainer: L.Trainer) -> int | None:
-    """Optimizer steps the run will take: ``max_steps``, or the epochs' worth when only
-    ``max_epochs`` bounds it; None when neither does."""
-    if trainer.max_steps and trainer.max_steps > 0:
-        return trainer.max_steps
-    batches = trainer.num_training_batches
-    if trainer.max_epochs and trainer.max_epochs > 0 and batches != float("inf"):
-        return trainer.max_epochs * max(1, int(batches) // trainer.accumulate_grad_batches)
-    return None
+from bnlit.progress import run_total_steps
 
 
 class RunProgressBar(TQDMProgressBar):

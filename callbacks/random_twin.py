@@ -1,24 +1,9 @@
 """``RandomTwinNLL``: the trained model against a freshly initialised twin of the same architecture
-and tokenizer, and against an add-one unigram and a Kneser-Ney bigram counted from the run's
-training shards (:mod:`bnlit.ngram`), on each language's held-out slice, in NLL per token, bits
-per character and bits per byte.
-
-The twin answers two questions a loss curve alone does not: did the model learn anything (the
-trained NLL must fall below the twin's), and is the initialisation sane (a well-initialised model
-predicts nearly uniformly, so the twin's NLL sits near ln(V)). The maths is :mod:`bnlit.evaluation`;
-this callback picks the slice, chooses when to evaluate, logs and warns. The twin is built and
-scored once (it never changes); the trained model is scored at every ``every_n_validations``-th
-validation and at the end of training, when the table is printed and logged (``twin/table``).
-
-A twin alone flatters: a model that has learned only token frequencies beats it by far. The
-unigram says whether the model learned more than frequencies, the bigram whether it learned
-context: ``learned_context/<lang>`` is the bigram's bits/char minus the trained model's (positive
-when the model beats the bigram). The counts are saved as ``<run dir>/baselines/ngram_<lang>.npz``
-for ``scripts/evaluate.py``.
-
-Nothing here touches the training RNG streams (the twin has its own generator, evaluation draws
-no random numbers and runs inside ``fork_rng`` all the same) or leaves the model in another mode.
-"""
+and tokenizer, and against the unigram and bigram of the training shards, on each language's
+held-out slice, in NLL per token, bits per character and bits per byte. The maths and the reasons
+are in :mod:`bnlit.evaluation` (twin) and :mod:`bnlit.ngram` (baselines, saved as
+``<run dir>/baselines/ngram_<lang>.npz`` for ``scripts/evaluate.py``); this callback picks the
+slices, chooses when to evaluate, logs and warns."""
 
 from __future__ import annotations
 
@@ -27,23 +12,12 @@ from collections.abc import Sequence
 
 import lightning as L
 import numpy as np
-import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 
+from bnlit import evaluation as ev
+from bnlit import ngram
 from bnlit.errors import ConfigError
-from bnlit.evaluation import (
-    EvalResult,
-    NLLSum,
-    documents_prefix,
-    evaluate_stream,
-    format_twin_table,
-    text_size,
-    twin_metrics,
-    twin_model,
-    twin_verdicts,
-)
-from bnlit.ngram import baseline_metrics, baseline_verdicts, comparison_table, count_shards, save_baselines, summary_line
 from bnlit.run_report import log_metrics, log_table, run_dir
 
 log = logging.getLogger(__name__)
@@ -78,73 +52,39 @@ class RandomTwinNLL(L.Callback):
         self.batch_size, self.init_tolerance = batch_size, init_tolerance
         self.learning_after_steps = learning_after_steps
         self.languages = list(languages) if languages else None
-        self._slices: dict[str, tuple[np.ndarray, int, int]] | None = None
-        self._twin: dict[str, EvalResult] = {}
         self.baselines, self.baseline_max_tokens = baselines, baseline_max_tokens
-        self._baselines: dict[str, dict[str, EvalResult]] = {}  # lang -> unigram/bigram on the slice
-        self._validations = 0
-        self._last_step = -1
-        self.results: dict[str, dict[str, EvalResult]] = {}
+        self._slices: dict[str, tuple[np.ndarray, int, int]] | None = None
+        self._twin: dict[str, ev.EvalResult] = {}
+        self._baselines: dict[str, dict[str, ev.EvalResult]] = {}  # lang -> unigram/bigram on the slice
+        self._validations, self._last_step = 0, -1
+        self.results: dict[str, dict[str, ev.EvalResult]] = {}
         self.verdicts: list[str] = []
 
-    # ---- building -------------------------------------------------------------------------
     def _prepare(self, trainer: L.Trainer, pl_module: L.LightningModule) -> bool:
+        """Build the slices and baselines and score the twin, once; False without a bnlit data module."""
         if self._slices is not None:
             return bool(self._slices)
-        self._slices = {}
-        dm = trainer.datamodule
+        self._slices, dm = {}, trainer.datamodule
         if dm is None or not hasattr(dm, "val_tokens"):
             rank_zero_warn("RandomTwinNLL: no bnlit data module attached; the random twin is not evaluated")
             return False
-        tok, eos = dm.tokenizer, dm.tokenizer.eos_id
-        stats = dm.split_stats("val")
-        langs = self.languages or dm.val_languages
-        unknown = sorted(set(langs) - set(dm.val_languages))
-        if unknown:
-            raise ConfigError(f"callbacks.random_twin.languages: {unknown} have no validation slice "
-                              f"(have {dm.val_languages})")
-        for lang in langs:
-            tokens, whole = documents_prefix(dm.val_tokens(lang), eos, self.max_tokens)
-            if whole:  # the index counts the source text itself
-                chars = sum(s["chars"] for s in stats.values() if s["language"] == lang)
-                nbytes = sum(s["bytes"] for s in stats.values() if s["language"] == lang)
-            else:
-                chars, nbytes = text_size(tokens, tok, eos)
-            stream = np.concatenate([np.asarray([eos], dtype=np.int64), tokens.astype(np.int64)])
-            self._slices[lang] = (stream, chars, nbytes)
-        self.seq_len = dm.seq_len
+        self._slices, self.seq_len = ev.twin_slices(dm, self.languages, self.max_tokens), dm.seq_len
         if self.baselines and getattr(dm, "shard_dir", None) is not None:
-            counts = count_shards(dm.shard_dir, dm.index, eos, tok.vocab_size, max_tokens=self.baseline_max_tokens)
+            counts = ngram.count_shards(dm.shard_dir, dm.index, dm.tokenizer.eos_id, dm.tokenizer.vocab_size,
+                                        max_tokens=self.baseline_max_tokens)
             if trainer.is_global_zero:
-                save_baselines(run_dir(trainer), counts)
-            self._baselines = {lang: counts[lang].evaluate(*self._slices[lang])
-                               for lang in self._slices if lang in counts}
+                ngram.save_baselines(run_dir(trainer), counts)
+            self._baselines = {lang: counts[lang].evaluate(*s) for lang, s in self._slices.items() if lang in counts}
         model = pl_module.model
-        dtype = next(model.parameters()).dtype
-        twin = twin_model(model, self.seed).to(device=pl_module.device, dtype=dtype)
+        twin = ev.twin_model(model, self.seed).to(device=pl_module.device, dtype=next(model.parameters()).dtype)
         self.vocab_size = model.config.vocab_size
         self._twin = self._score(trainer, twin)
-        del twin
         return True
 
-    def _score(self, trainer: L.Trainer, model: torch.nn.Module) -> dict[str, EvalResult]:
-        was_training = model.training
-        devices = [model_device.index] if (model_device := next(model.parameters()).device).type == "cuda" else []
-        model.eval()
-        try:
-            with torch.random.fork_rng(devices=devices), torch.no_grad(), \
-                    trainer.strategy.precision_plugin.forward_context():
-                out = {}
-                for lang, (stream, chars, nbytes) in self._slices.items():
-                    nll, tokens = evaluate_stream(model, stream, self.seq_len, self.batch_size, model_device,
-                                                  rank=trainer.global_rank, world_size=trainer.world_size,
-                                                  metric=NLLSum())
-                    out[lang] = EvalResult(nll, tokens, chars, nbytes)
-        finally:
-            model.train(was_training)
-        return out
+    def _score(self, trainer: L.Trainer, model) -> dict[str, ev.EvalResult]:
+        return ev.score_slices(model, self._slices, self.seq_len, self.batch_size, trainer.global_rank,
+                               trainer.world_size, trainer.strategy.precision_plugin.forward_context())
 
-    # ---- hooks ------------------------------------------------------------------------------
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING:
             return
@@ -158,32 +98,26 @@ class RandomTwinNLL(L.Callback):
         if not self.results:
             return
         if trainer.is_global_zero:
-            log.info("%s", format_twin_table(self.results, self.vocab_size, trainer.global_step))
+            log.info("%s", ev.format_twin_table(self.results, self.vocab_size, trainer.global_step))
             for lang, r in self.results.items():
+                compared = {"twin": r["twin"], **self._baselines.get(lang, {})}
                 log.info("proof of learning (step %d) %s", trainer.global_step,
-                         summary_line(lang, r["trained"], self._compared(lang)))
-        columns, rows = comparison_table(self.results, self._baselines)
-        log_table(trainer, "twin/table", columns, rows)
-
-    def _compared(self, lang: str) -> dict[str, EvalResult]:
-        """The baselines the trained model of ``lang`` is compared with: twin, unigram, bigram."""
-        return {"twin": self.results[lang]["twin"], **self._baselines.get(lang, {})}
+                         ngram.summary_line(lang, r["trained"], compared))
+        log_table(trainer, "twin/table", *ngram.comparison_table(self.results, self._baselines))
 
     def _evaluate(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not self._prepare(trainer, pl_module):
             return
         trained = self._score(trainer, pl_module.model)
         self.results = {lang: {"trained": trained[lang], "twin": self._twin[lang]} for lang in trained}
-        self._last_step = trainer.global_step
-        metrics = self.metrics()
-        log_metrics(trainer, metrics, callback_metrics=True)
-        self.verdicts = twin_verdicts(self.results, self.vocab_size, trainer.global_step,
-                                      self.init_tolerance, self.learning_after_steps)
-        self.verdicts += baseline_verdicts({lang: r["trained"] for lang, r in self.results.items()},
-                                           self._baselines, trainer.global_step, self.learning_after_steps)
+        self._last_step = step = trainer.global_step
+        log_metrics(trainer, self.metrics(), callback_metrics=True)
+        self.verdicts = ev.twin_verdicts(self.results, self.vocab_size, step, self.init_tolerance,
+                                         self.learning_after_steps)
+        self.verdicts += ngram.baseline_verdicts(trained, self._baselines, step, self.learning_after_steps)
         for v in self.verdicts:
             rank_zero_warn(v)
 
     def metrics(self) -> dict[str, float]:
         trained = {lang: r["trained"] for lang, r in self.results.items()}
-        return {**twin_metrics(self.results, self.vocab_size), **baseline_metrics(trained, self._baselines)}
+        return {**ev.twin_metrics(self.results, self.vocab_size), **ngram.baseline_metrics(trained, self._baselines)}

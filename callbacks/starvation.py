@@ -1,10 +1,5 @@
-"""``LanguageStarvation``: with two or more languages, warn or stop when one language's held-out
-loss has not improved over the last ``patience`` validations while another's has (a mixture
-weight of 0.01, a tokenizer that inflates one language's token count).
-
-The maths is :mod:`bnlit.starvation`; this callback reads each language's ``val/<lang>_loss``
-(NLL/token on the same held-out windows every time, so its trend is the trend of bits/char),
-decides at every validation, and reports every language's trend at the end of training."""
+"""``LanguageStarvation``: warn or stop when one language's held-out loss stops improving while
+another's improves; the rule is :mod:`bnlit.starvation`."""
 
 from __future__ import annotations
 
@@ -14,7 +9,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from bnlit.errors import ConfigError
 from bnlit.run_report import log_metrics, log_table
-from bnlit.starvation import LanguageStarvationError, starvation_message, starved_languages
+from bnlit.starvation import LanguageStarvationError, starvation_message, starvation_table, starved_languages
 
 ON_STARVED = ("warn", "raise")
 
@@ -61,14 +56,7 @@ class LanguageStarvation(L.Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not self.history:
             return
-        columns = ["language", "first_val_loss", "best_before_window", "best_in_window", "last_val_loss",
-                   "improved", "starved_at_step"]
-        rows = []
-        for lang, series in self.history.items():
-            t = self._trends.get(lang)
-            rows.append([lang, series[0], t.best_before if t else None, t.best_recent if t else None, series[-1],
-                         t.improved if t else None, self.starved.get(lang)])
-        log_table(trainer, "starvation/table", columns, rows)
+        log_table(trainer, "starvation/table", *starvation_table(self.history, self._trends, self.starved))
         verdict = ", ".join(f"{lang} {'STARVED at step ' + str(self.starved[lang]) if lang in self.starved else 'ok'}"
                             for lang in self.history)
         rank_zero_info(f"language starvation (patience {self.patience} validations): {verdict}")

@@ -258,7 +258,7 @@ def cpu_bench(args, run_root: Path) -> dict:
         "arbiter_overhead_ratio_default": None, "arbiter_overhead_ratio_every_step": None,
         "arbiter_every_n_steps_default": None, "arbiter_sentinel_share": None, "arbiter_note": note,
         "data_loader_share": statistics.median(data_share),
-        "lightning_data_wait_pct": monitor.get("perf/data_wait_pct"),
+        "lightning_data_wait_pct": monitor.get("throughput/data_wait_pct"),
         "flops_per_token": fpt, "peak_flops": peak.flops, "peak_source": peak.source,
         "mfu_cpu_pct_raw": 100 * fpt * med["raw"] / peak.flops,
         "mfu_cpu_pct_lightning": 100 * fpt * med["lightning"] / peak.flops,

@@ -80,8 +80,8 @@ def read_run(run_dir: Path) -> dict:
     pick = lambda word: next((l.split(" - ", 1)[-1] for l in lines if word in l), None)  # noqa: E731
     memory_key = "memory/peak_gib" if "memory/peak_gib" in series else "memory/peak_rss_gib"  # CUDA / CPU
     return {
-        "tokens_per_s": last(series, "perf/tokens_per_s"),
-        "mfu_pct": last(series, "perf/mfu"),  # the throughput callback logs percent
+        "tokens_per_s": last(series, "throughput/tokens_per_s"),
+        "mfu_pct": last(series, "throughput/mfu"),  # the throughput callback logs percent
         "peak_memory_gib": last(series, memory_key),
         "peak_memory_key": memory_key,
         "train_loss": last(series, "train/loss"),

@@ -66,8 +66,8 @@ def measure_step_peak(model: torch.nn.Module, seq_len: int, batch_size: int, pre
 
 def check(preset: str, precision: str, seq_len: int, batch_size: int) -> dict:
     cfg = compose_cfg(preset, seq_len, batch_size)
-    mc = instantiate(cfg.model.config)
-    estimate = training_memory_bytes(mc, seq_len, batch_size, cfg.model.activation_checkpointing)
+    model_cfg = instantiate(cfg.model.config)
+    estimate = training_memory_bytes(model_cfg, seq_len, batch_size, cfg.model.activation_checkpointing)
     torch.manual_seed(0)
     model = instantiate(cfg.model)
     peak = measure_step_peak(model, seq_len, batch_size, precision)

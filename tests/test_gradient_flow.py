@@ -5,10 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import socket
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -32,6 +28,7 @@ from bnlit.model import ModelConfig, Transformer
 from bnlit.module import LMModule, next_token_loss, param_groups
 from bnlit.train import train
 from bnlit.callbacks.gradient_flow import GradientFlowArbiter, GradientFlowError
+from helpers_dist import run_two_ranks, same_error_on_both_ranks
 
 VOCAB = 96
 ALL_OK = dict(missing=[], nonfinite=[], zero=[])
@@ -503,13 +500,12 @@ def test_planted_fault_stops_the_real_run_at_step_1(make_cfg):
 
 
 WORKER = textwrap.dedent('''
-    import os, sys
     from functools import partial
     import lightning as L, torch
-    sys.path.insert(0, sys.argv[2])
-    from test_gradient_flow import RandomTokens, tiny
+    from helpers_dist import fit_on_two_ranks
+    from test_gradient_flow import tiny
     from bnlit.module import LMModule
-    from bnlit.callbacks.gradient_flow import GradientFlowArbiter, GradientFlowError
+    from bnlit.callbacks.gradient_flow import GradientFlowArbiter
 
     class NaNOnRank1(L.Callback):
         """After DDP's all-reduce, corrupt one element of one gradient on rank 1 only."""
@@ -517,38 +513,13 @@ WORKER = textwrap.dedent('''
             if trainer.global_rank == 1:
                 pl_module.model.layers[0].attention.wv.weight.grad[0, 0] = float("nan")
 
-    torch.set_num_threads(1)
     module = LMModule(tiny(), optimizer=partial(torch.optim.AdamW, lr=1e-3))
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=3, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        default_root_dir=sys.argv[1], use_distributed_sampler=True,
-                        callbacks=[NaNOnRank1(), GradientFlowArbiter(every_n_steps=1)])
-    out = os.path.join(sys.argv[1], f"rank{trainer.global_rank}.txt")
-    try:
-        trainer.fit(module, datamodule=RandomTokens())
-        open(out, "w").write(f"finished at step {trainer.global_step}")
-    except GradientFlowError as e:
-        open(out, "w").write(str(e))
-        sys.exit(3)
+    fit_on_two_ranks(module, "ddp", [NaNOnRank1(), GradientFlowArbiter(every_n_steps=1)])
 ''')
 
 
 @pytest.mark.distributed
 def test_ddp_fault_on_one_rank_stops_both_ranks_with_the_same_error(tmp_path):
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={port}",
-         str(script), str(tmp_path), str(Path(__file__).parent)],
-        env=env, capture_output=True, text=True, timeout=300,
-    )
-    msgs = [(tmp_path / f"rank{r}.txt").read_text() if (tmp_path / f"rank{r}.txt").exists() else None for r in (0, 1)]
-    assert msgs[0] is not None and msgs[1] is not None, proc.stderr[-3000:]
-    assert msgs[0] == msgs[1], msgs
+    msg = same_error_on_both_ranks(*run_two_ranks(WORKER, tmp_path, timeout=300))
     assert ("gradient-flow check failed at step 1 for 1 parameter(s): model.layers.0.attention.wv.weight [nonfinite] "
-            "gradient has NaN/Inf values (on 1 of 2 ranks)") in msgs[0]
-    assert proc.returncode != 0
+            "gradient has NaN/Inf values (on 1 of 2 ranks)") in msg

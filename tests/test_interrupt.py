@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import lightning as L
@@ -20,8 +18,8 @@ from bnlit.checkpointing import (
     resolve_ckpt_path, tmp_name,
 )
 from bnlit.csv_logger import read_whole_rows
-from bnlit.run_report import read_metrics
 from conftest import TINY
+from helpers_dist import run_train_cli, train_losses as losses
 
 TESTS = Path(__file__).parent
 STEPS = ["trainer.max_steps=8", "callbacks.model_checkpoint.every_n_train_steps=3", "trainer.val_check_interval=4",
@@ -44,14 +42,9 @@ class SignalAt(L.Callback):
             os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while the checkpoint is being written
 
 
-def run_cli(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run([sys.executable, "-m", "bnlit.train", *TINY, *STEPS, f"hydra.run.dir={run_dir}", *overrides],
-                          capture_output=True, text=True, env=env, cwd=run_dir.parent, timeout=600)
+def run_cli(run_dir: Path, *overrides: str):
+    return run_train_cli(run_dir, *TINY, *STEPS, *overrides)
 
-
-def losses(run_dir: Path) -> dict[int, float]:
-    return dict(read_metrics(run_dir / "csv" / "metrics.csv")["train/loss"])
 
 
 def ckpt_names(run_dir: Path) -> list[str]:

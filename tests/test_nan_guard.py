@@ -111,11 +111,11 @@ def test_non_finite_weights_are_never_checkpointed():
 
 def test_guard_state_is_checkpointed():
     g = NaNGuard(max_skips=3)
-    g.tracker.update(4.0)
-    g.budget.take(2, 2)
+    g.guard.tracker.update(4.0)
+    g.guard.budget.take(2, 2)
     h = NaNGuard()
     h.load_state_dict(torch.load(_roundtrip(g.state_dict()), weights_only=True))
-    assert h.tracker.average == 4.0 and h.tracker.seen == 1 and h.budget.skipped == [(2, 2)]
+    assert h.guard.tracker.average == 4.0 and h.guard.tracker.seen == 1 and h.guard.budget.skipped == [(2, 2)]
 
 
 def _roundtrip(obj):

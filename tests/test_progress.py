@@ -11,8 +11,11 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from bnlit import progress
-from bnlit.threads import choose_threads
-from bnlit.callbacks.progress_bar import RunProgressBar, run_total_steps
+from bnlit.threads import choose_threads, rechoose_threads
+from bnlit.callbacks.progress_bar import RunProgressBar
+from bnlit.progress import run_total_steps
+from bnlit.callbacks.threads import ThreadsFollowLoad
+from bnlit.errors import ConfigError
 
 
 class Tiny(L.LightningModule):
@@ -68,6 +71,39 @@ def test_auto_threads_take_the_idle_cores(cpus, load, want):
     n, why = choose_threads("auto", cpus, load)
     assert n == want
     assert why.startswith(f"auto: {cpus} cores, load average ")
+
+
+@pytest.mark.parametrize("cpus,load,current,want", [
+    (2, 2.1, 2, 2),    # a quiet machine: the load is the run's own two threads
+    (2, 7.0, 2, 1),    # five other jobs arrived: drop to one
+    (2, 1.1, 1, 2),    # they left: the run's one thread is the whole load, take both
+    (2, 1.8, 1, 1),    # about one other job: one core is idle
+    (16, 16.0, 16, 16), (16, 20.0, 12, 8)])
+def test_running_auto_threads_discount_their_own_load(cpus, load, current, want):
+    assert rechoose_threads(cpus, load, current)[0] == want
+
+
+def test_threads_follow_the_load_during_a_run(tmp_path, monkeypatch):
+    import bnlit.callbacks.threads as cb
+
+    loads = iter([7.0, 7.0, 1.1])  # others arrive, stay, leave
+    monkeypatch.setattr(cb, "load_average", lambda: next(loads))
+    monkeypatch.setattr(cb, "available_cpus", lambda: 2)
+    before = torch.get_num_threads()
+    follow = ThreadsFollowLoad("auto", every_n_steps=2)
+    pinned = ThreadsFollowLoad(1, every_n_steps=2)
+    data = DataLoader(TensorDataset(torch.randn(6, 4)), batch_size=1)
+    try:
+        torch.set_num_threads(2)
+        trainer = L.Trainer(max_steps=6, logger=False, enable_checkpointing=False, enable_model_summary=False,
+                            enable_progress_bar=False, default_root_dir=tmp_path, callbacks=[follow, pinned])
+        trainer.fit(Tiny(), data)
+    finally:
+        torch.set_num_threads(before)
+    assert follow.changes == [(2, 2, 1), (6, 1, 2)]  # looked at steps 2, 4, 6
+    assert pinned.changes == []
+    with pytest.raises(ConfigError, match="every_n_steps=0"):
+        ThreadsFollowLoad("auto", every_n_steps=0)
 
 
 def test_pinned_threads():

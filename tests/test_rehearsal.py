@@ -8,7 +8,6 @@ on sharded parameters."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -22,6 +21,7 @@ from omegaconf import OmegaConf
 from bnlit import CONF_DIR
 from bnlit.run_report import read_metrics
 from conftest import TINY
+from helpers_dist import run_two_ranks, same_error_on_both_ranks
 
 # the rehearsal's own seq_len/batch/steps stay; only the data is cut to the test corpus
 DATA = [o for o in TINY if o.split("=")[0].lstrip("+~") in (
@@ -68,6 +68,11 @@ def test_fsdp_profile_builds_the_strategy_the_rehearsal_runs():
         assert strategy._save_distributed_checkpoint is False  # one full file: atomic IO, any world size
 
 
+# what every GPU profile's fast path turns on, as the module's log line names it under debug=rehearsal
+FAST_PATH = ("fast path: bf16-mixed autocast, torch.compile(fullgraph), fused AdamW, sdpa=cpu, "
+             "attention=sdpa:flash (document mask), loss=chunked, ")
+
+
 def assert_rehearsal(out: subprocess.CompletedProcess, run_dir: Path, fast_path: str) -> str:
     assert out.returncode == 0, out.stderr[-4000:]
     log = (run_dir / "train.log").read_text()
@@ -84,9 +89,7 @@ def assert_rehearsal(out: subprocess.CompletedProcess, run_dir: Path, fast_path:
 def test_h100_rehearsal(tmp_path, cache_dir):
     run = tmp_path / "h100" / "run"
     out = run_cli(run, "model=tiny", "trainer=h100", "debug=rehearsal")
-    log = assert_rehearsal(out, run, "fast path: bf16-mixed autocast, torch.compile(fullgraph), fused AdamW, "
-                                     "sdpa=cpu, attention=sdpa:flash (document mask), loss=chunked, "
-                                     "strategy=single device (cpu), accumulate=16, workers=4 (prefetch 4, ")
+    log = assert_rehearsal(out, run, FAST_PATH + "strategy=single device (cpu), accumulate=16, workers=4 (prefetch 4, ")
     assert "fast-path parity (bf16-mixed, compiled)" in log
     assert sorted(metric(run, "train/loss")) == [0, 1, 2, 3]
     # scripts/gpu_check.py reads its train_h100 check from such a run dir
@@ -104,9 +107,7 @@ def test_h100_rehearsal(tmp_path, cache_dir):
 def test_multinode_rehearsal(tmp_path, cache_dir):
     run = tmp_path / "multinode" / "run"
     out = run_cli(run, "model=tiny", "trainer=multinode", "debug=rehearsal")
-    log = assert_rehearsal(out, run, "fast path: bf16-mixed autocast, torch.compile(fullgraph), fused AdamW, "
-                                     "sdpa=cpu, attention=sdpa:flash (document mask), loss=chunked, "
-                                     "strategy=ddp(2, gloo), accumulate=1, workers=4")
+    log = assert_rehearsal(out, run, FAST_PATH + "strategy=ddp(2, gloo), accumulate=1, workers=4")
     assert "fast-path parity (bf16-mixed, compiled)" in log
 
 
@@ -158,58 +159,33 @@ def test_fsdp_rehearsal_parity_and_resume(tmp_path, cache_dir):
 
 
 WORKER = textwrap.dedent('''
-    import os, sys
     from functools import partial
-    import lightning as L, torch
-    import torch.nn.functional as F
+    import torch
     from lightning.pytorch.strategies import ModelParallelStrategy
-    sys.path.insert(0, sys.argv[2])
-    from test_gradient_flow import RandomTokens, ZeroWeightGrad, tiny
+    from helpers_dist import fit_on_two_ranks
+    from test_gradient_flow import ZeroWeightGrad, tiny
     from bnlit.module import LMModule
-    from bnlit.callbacks.gradient_flow import GradientFlowArbiter, GradientFlowError
+    from bnlit.callbacks.gradient_flow import GradientFlowArbiter
 
     class ZeroGradLinear(torch.nn.Linear):
         """A "fused kernel" whose weight gradient is always zero (planted in block 1's w3)."""
         def forward(self, x):
             return ZeroWeightGrad.apply(x, self.weight)
 
-    torch.set_num_threads(1)
     model = tiny()
     ff = model.layers[1].feed_forward
     planted = ZeroGradLinear(ff.w3.in_features, ff.w3.out_features, bias=False)
     planted.weight.data.copy_(ff.w3.weight.data)
     ff.w3 = planted
     module = LMModule(model, optimizer=partial(torch.optim.AdamW, lr=1e-3))
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ModelParallelStrategy(save_distributed_checkpoint=False),
-                        max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, default_root_dir=sys.argv[1], use_distributed_sampler=True,
-                        callbacks=[GradientFlowArbiter(every_n_steps=1)])
-    out = os.path.join(sys.argv[1], f"rank{trainer.global_rank}.txt")
-    try:
-        trainer.fit(module, datamodule=RandomTokens())
-        open(out, "w").write(f"finished at step {trainer.global_step}")
-    except GradientFlowError as e:
-        open(out, "w").write(str(e))
-        sys.exit(3)
+    fit_on_two_ranks(module, ModelParallelStrategy(save_distributed_checkpoint=False),
+                     [GradientFlowArbiter(every_n_steps=1)])
 ''')
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_fsdp_planted_zero_gradient_is_caught_by_name(tmp_path):
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    tests = Path(__file__).parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-                           f"--master-port={port}", str(script), str(tmp_path), str(tests)],
-                          env=env, capture_output=True, text=True, timeout=600)
-    msgs = [(tmp_path / f"rank{r}.txt").read_text() if (tmp_path / f"rank{r}.txt").exists() else None for r in (0, 1)]
-    assert msgs[0] is not None and msgs[1] is not None, proc.stderr[-3000:]
-    assert msgs[0] == msgs[1], msgs
-    assert "gradient-flow check failed at step 1" in msgs[0]
-    assert "model.layers.1.feed_forward.w3.weight" in msgs[0] and "zero" in msgs[0], msgs[0]
-    assert proc.returncode != 0
+    msg = same_error_on_both_ranks(*run_two_ranks(WORKER, tmp_path, timeout=600))
+    assert "gradient-flow check failed at step 1" in msg
+    assert "model.layers.1.feed_forward.w3.weight" in msg and "zero" in msg, msg

@@ -7,8 +7,6 @@ from __future__ import annotations
 import errno
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import lightning as L
@@ -19,9 +17,9 @@ from bnlit.checkpointing import AtomicCheckpointIO
 from bnlit.data.datamodule import rng_state, set_rng_state
 from bnlit.data.dataset import MixtureSampler, reshard_start, resume_start
 from bnlit.errors import CheckpointError
-from bnlit.run_report import read_metrics
 from bnlit.train import train
 from conftest import TINY
+from helpers_dist import run_train_cli, train_losses
 
 TESTS = Path(__file__).parent
 STEPS = ["trainer.max_steps=8", "callbacks.model_checkpoint.every_n_train_steps=3", "trainer.val_check_interval=4"]
@@ -38,14 +36,9 @@ class KillAt(L.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def run_cli(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run([sys.executable, "-m", "bnlit.train", *TINY, *STEPS, f"hydra.run.dir={run_dir}", *overrides],
-                          capture_output=True, text=True, env=env, cwd=run_dir.parent, timeout=600)
+def run_cli(run_dir: Path, *overrides: str):
+    return run_train_cli(run_dir, *TINY, *STEPS, *overrides)
 
-
-def train_losses(run_dir: Path) -> dict[int, float]:
-    return dict(read_metrics(run_dir / "csv" / "metrics.csv")["train/loss"])
 
 
 @pytest.mark.slow

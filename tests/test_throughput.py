@@ -182,20 +182,20 @@ def test_monitor_numbers_on_a_fake_clock_are_the_formula():
     fpt = flops_per_token(CFG, T)
     tps = B * T / (WAIT + WORK)
     expected = {
-        "perf/tokens_per_s": tps, "perf/tokens_per_s_per_device": tps,
-        "perf/samples_per_s": B / (WAIT + WORK), "perf/samples_per_s_per_device": B / (WAIT + WORK),
-        "perf/tflops": fpt * tps / 1e12, "perf/tflops_per_device": fpt * tps / 1e12,
-        "perf/mfu": 100 * fpt * tps / (peak_tflops * 1e12),
-        "perf/step_ms": 1e3 * (WAIT + WORK),
-        "perf/data_wait_pct": 100 * WAIT / (WAIT + WORK),
+        "throughput/tokens_per_s": tps, "throughput/tokens_per_s_per_device": tps,
+        "throughput/samples_per_s": B / (WAIT + WORK), "throughput/samples_per_s_per_device": B / (WAIT + WORK),
+        "throughput/tflops": fpt * tps / 1e12, "throughput/tflops_per_device": fpt * tps / 1e12,
+        "throughput/mfu": 100 * fpt * tps / (peak_tflops * 1e12),
+        "throughput/step_ms": 1e3 * (WAIT + WORK),
+        "throughput/data_wait_pct": 100 * WAIT / (WAIT + WORK),
     }
     last = monitor.reports[-1][1]
     for k, v in expected.items():
         assert last[k] == pytest.approx(v, rel=1e-12), k
         assert float(trainer.callback_metrics[k]) == pytest.approx(v, rel=1e-6), k
     assert last["memory/peak_rss_gib"] > 0.01
-    assert monitor.peak.key == "override" and last["perf/peak_measured"] == 0.0
-    assert last["perf/peak_tflops"] == peak_tflops
+    assert monitor.peak.key == "override" and last["throughput/peak_measured"] == 0.0
+    assert last["throughput/peak_tflops"] == peak_tflops
 
 
 def test_monitor_figures_include_a_slow_step_in_its_window():
@@ -203,9 +203,9 @@ def test_monitor_figures_include_a_slow_step_in_its_window():
     monitor = Recording(window_steps=2, log_every_n_steps=1, peak_tflops=1e-3, clock=clock)
     fit(monitor, clock, steps=5, work=lambda step: 4.75 if step == 4 else WORK)
     by_step = dict(monitor.reports)
-    assert by_step[3]["perf/step_ms"] == pytest.approx(1000.0)
-    assert by_step[4]["perf/step_ms"] == pytest.approx(1e3 * (1.0 + 5.0) / 2)  # steps 3 and 4
-    assert by_step[5]["perf/step_ms"] == pytest.approx(1e3 * (5.0 + 1.0) / 2)
+    assert by_step[3]["throughput/step_ms"] == pytest.approx(1000.0)
+    assert by_step[4]["throughput/step_ms"] == pytest.approx(1e3 * (1.0 + 5.0) / 2)  # steps 3 and 4
+    assert by_step[5]["throughput/step_ms"] == pytest.approx(1e3 * (5.0 + 1.0) / 2)
 
 
 def _peak_for(mfu_pct: float) -> float:
@@ -257,12 +257,12 @@ def test_default_run_logs_perf_and_memory(make_cfg, tmp_path):
     cfg = make_cfg()
     assert cfg.callbacks.throughput._target_ == "bnlit.callbacks.throughput.ThroughputMonitor"
     metrics = train(cfg)
-    for k in ("perf/tokens_per_s", "perf/samples_per_s", "perf/tflops", "perf/mfu", "perf/step_ms",
-              "perf/data_wait_pct", "memory/peak_rss_gib"):
+    for k in ("throughput/tokens_per_s", "throughput/samples_per_s", "throughput/tflops", "throughput/mfu", "throughput/step_ms",
+              "throughput/data_wait_pct", "memory/peak_rss_gib"):
         assert k in metrics and metrics[k] > 0, k
-    assert metrics["perf/mfu"] < 100 and metrics["perf/peak_measured"] == 1.0  # this CPU's measured matmul peak
+    assert metrics["throughput/mfu"] < 100 and metrics["throughput/peak_measured"] == 1.0  # this CPU's measured matmul peak
     rows = list(csv.DictReader(open(next((tmp_path / "run").rglob("metrics.csv")))))
-    logged = [r for r in rows if r.get("perf/tokens_per_s")]
+    logged = [r for r in rows if r.get("throughput/tokens_per_s")]
     assert logged and all(r.get("train/lr") for r in rows if r.get("train/loss"))
 
 

@@ -61,12 +61,12 @@ def test_summary_from_csv_and_tables(tmp_path):
 
     (tmp_path / "csv").mkdir()
     (tmp_path / "csv" / "metrics.csv").write_text(
-        "epoch,perf/mfu,step,train/loss,twin/bn_nll_gap,val/loss\n"
+        "epoch,throughput/mfu,step,train/loss,twin/bn_nll_gap,val/loss\n"
         "0,,0,7.0,,\n0,31.5,1,6.5,,\n0,,1,6.25,,\n0,,2,6.0,0.5,6.1\n")  # step 1 re-logged after a resume
     write_json_atomic(tmp_path / "tables" / "tok_fertility.json",
                       {"columns": ["language", "chars_per_token"], "rows": [["bn", 3.25]], "step": 2})
     assert read_metrics(tmp_path / "csv" / "metrics.csv")["train/loss"] == [(0, 7.0), (1, 6.25), (2, 6.0)]
     text = write_summary(tmp_path, {"val/loss": 6.1}).read_text()
-    assert "| `train/loss` | 6.0000 | 2 |" in text and "| `perf/mfu` | 31.5000 | 1 |" in text  # value, the step it was logged at
+    assert "| `train/loss` | 6.0000 | 2 |" in text and "| `throughput/mfu` | 31.5000 | 1 |" in text  # value, the step it was logged at
     assert "## Table `tok_fertility` (step 2)" in text and "| bn | 3.2500 |" in text
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["loss.png", "mfu.png", "twin_gap.png"]
