@@ -122,20 +122,20 @@ def test_scontrol_requeue_saves_requeues_and_continues_to_the_end(slurm_cluster,
 
 
 def test_time_limit_signal_saves_requeues_and_continues_to_the_end(slurm_cluster, sweep, tmp_path):
-    """A job whose steps would outlast its 4-minute limit: SLURM sends submitit's ``--signal=USR2@60``
+    """A job whose steps would outlast its 5-minute limit: SLURM sends submitit's ``--signal=USR2@60``
     (``hydra.launcher.signal_delay_s``) 60 s before the limit, or up to a minute earlier (slurmctld
-    checks time limits periodically; measured here 5-60 s early), so 120-180 s into the job, when it
+    checks time limits periodically; measured here 5-60 s early), so 180-240 s into the job, when it
     is training; the signal reaches every process of the step, loader workers included (they
     ignore it). The run saves the step it is in, submitit requeues the job (the ``checkpoint`` of
     Hydra's launcher), and the rerun resumes from that step's checkpoint by itself
-    (``SLURM_RESTART_COUNT``) and trains to the last step at full speed, well before its own signal.
+    (``SLURM_RESTART_COUNT``) and trains to the last step at full speed, normally before its own signal.
     (After ``sweep``: its jobs built the tokenizer and shards this one reads.)"""
     sweep_dir = tmp_path / "multirun"
-    steps = 45  # x 5 s of pace on the first run: longer than the time limit
+    steps = 30  # x 9 s of pace on the first run: longer than the time limit
     proc = submit(slurm_cluster, sweep_dir, f"seed={SEEDS[0]}", f"trainer.max_steps={steps}",
                   "trainer.val_check_interval=1000", "callbacks.model_checkpoint.every_n_train_steps=1000",
-                  "hydra.launcher.timeout_min=4", "hydra.launcher.signal_delay_s=60",
-                  "+callbacks.pace._target_=test_slurm.Pace", "+callbacks.pace.seconds=5",
+                  "hydra.launcher.timeout_min=5", "hydra.launcher.signal_delay_s=60",
+                  "+callbacks.pace._target_=test_slurm.Pace", "+callbacks.pace.seconds=9",
                   "+callbacks.pace.first_run_only=true",
                   # the arbiter's one-time bf16-vs-fp32 parity probe runs again at the resumed step; on
                   # this tiny model trained for ~60 steps its wq gradient cosine was 0.9865 < 0.99 once
@@ -158,6 +158,10 @@ def test_time_limit_signal_saves_requeues_and_continues_to_the_end(slurm_cluster
     last = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True, mmap=True)
     assert last["global_step"] == steps
     assert sorted(losses(run)) == list(range(steps))  # every step logged (a rerun step keeps the last value)
-    job = next(p.name for p in (sweep_dir / ".submitit").iterdir() if p.is_dir() and "_" in p.name)
+    dirs = [p.name for p in (sweep_dir / ".submitit").iterdir() if p.is_dir()]
+    job = max(dirs, key=lambda name: "_" in name)  # an array task's dir ("3_0") or the job's own ("3")
     assert slurm_cluster.wait_job(job, timeout=120) == "COMPLETED"
-    assert "Restarts=1" in slurm_cluster.run("scontrol", "show", "job", job, "-o").stdout
+    # a rerun slowed by a loaded host may reach its own signal too and be requeued again (the
+    # same path); the first rerun is the one checked above
+    restarts = slurm_cluster.run("scontrol", "show", "job", job, "-o").stdout.split("Restarts=")[1].split()[0]
+    assert int(restarts) >= 1
