@@ -1043,3 +1043,65 @@ def full_check(named: list[tuple[str, torch.Tensor]], optimizers: Sequence[torch
     payload = {"step": step, "gradients": report.to_dict(), "param_groups": membership.to_dict(),
                "sentinel": {n: {"category": c, "first_step": f} for n, (c, f) in seen.items()}}
     return report, findings, payload
+
+
+class ArbiterState:
+    """The arbiter's per-step bookkeeping, apart from Lightning: which optimizer step is new, when a
+    full check is due, which steps are skipped or deferred, and the counters a run reports."""
+
+    def __init__(self, settings: ArbiterSettings, sharded: bool = False):
+        self.settings, self.sharded = settings, sharded
+        self.checks = 0  # full checks run in this fit
+        self.sentinel_trips = 0  # full checks the sentinel asked for
+        self.sentinel_seconds, self.sentinel_steps = 0.0, 0  # its own cost, for scripts/bench.py
+        self.skipped_steps = 0  # steps with no gradient at all (dropped by the NaN guard): not judged
+        self.seen_step, self.deferred, self.pending, self.parity_done = -1, 0, False, False
+        self.sentinel = GradientSentinel(settings.vanishing_factor, sharded=sharded)
+
+    def new_step(self, step: int) -> bool:
+        """False for a second optimizer of the same step."""
+        new, self.seen_step = step != self.seen_step, step
+        return new
+
+    def due(self, step: int, last_step: int | None) -> bool:
+        """The first step of every fit (a resumed one too), a deferred check, the cadence, and the
+        run's last step (so the grad/* values a summary calls final are the final step's)."""
+        return (self.checks == 0 or self.deferred > 0 or self.pending
+                or step % self.settings.every_n_steps == 0 or step == last_step)
+
+    def skip(self, due: bool) -> None:
+        """A step dropped by design (the NaN guard's skip policy sets every .grad to None): nothing to
+        judge, a due check runs next step."""
+        self.pending, self.skipped_steps = self.pending or due, self.skipped_steps + 1
+
+    def run_check(self, due: bool, tripped: bool) -> bool:
+        self.pending = False
+        if tripped and not due:
+            self.sentinel_trips += 1
+        return due or tripped
+
+    def sentinel_tripped(self, frozen: bool, single: bool, sync_now: bool, reduce: Reduce | None) -> bool:
+        if not self.settings.sentinel:
+            return False
+        if single and (frozen or self.sentinel.missing):
+            return True  # known on the host: no sync needed
+        return sync_now and self.sentinel.tripped(reduce, extra=frozen)
+
+    def defer(self, step: int, nonfinite: bool, fp16: bool, guard_skips: Callable[[], bool]) -> str | None:
+        """Non-finite gradients that are not (yet) a fault, as the warning to log: the NaN guard's
+        on-device skip, or an fp16 loss-scale overflow the GradScaler skips (up to ``MAX_DEFERRED``
+        in a row). None: judge the step."""
+        if nonfinite and not fp16 and guard_skips():
+            return f"gradient flow: non-finite gradients at step {step}; the NaN guard skips this step"
+        if nonfinite and fp16 and self.deferred < MAX_DEFERRED:
+            self.deferred += 1
+            return (f"gradient flow: non-finite fp16 gradients at step {step} (loss-scale overflow "
+                    f"{self.deferred}/{MAX_DEFERRED}); the scaler skips this step, checking again at step {step + 1}")
+        self.deferred = 0
+        return None
+
+    def parity_due(self, step: int) -> bool:
+        s = self.settings
+        if not s.fast_path_parity or self.sharded:
+            return False  # FSDP: the eager reference would need the whole unsharded model
+        return not self.parity_done or (s.parity_every_n_steps is not None and step % s.parity_every_n_steps == 0)

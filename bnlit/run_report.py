@@ -348,7 +348,10 @@ def print_report(cfg: DictConfig, metrics: Mapping[str, float], loggers: Sequenc
         lines.append(f"metrics     {type(lg).__name__}: {where}")
     if timing:
         load = lambda x: "n/a" if x is None else f"{x:.1f}"  # noqa: E731
-        lines.append(f"wall time   {format_duration(timing['wall_s'])} ({timing['threads']} threads; load average "
+        n, n_end = timing["threads"], timing.get("threads_end", timing["threads"])
+        # callbacks.threads may have changed the count during the run
+        threads = f"{n} thread{'s' * (n != 1)}" if n_end == n else f"threads {n} at start, {n_end} at end"
+        lines.append(f"wall time   {format_duration(timing['wall_s'])} ({threads}; load average "
                      f"{load(timing['load_start'])} at start, {load(timing['load_end'])} at end)")
     print("\n".join(lines), flush=True)
 

@@ -80,8 +80,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
         for lg in loggers:
             lg.save()
         write_summary(Path(cfg.paths.output_dir), metrics, fast_path=getattr(module, "fast_path", None))
-        timing = {"wall_s": time.perf_counter() - start, "threads": threads, "load_start": load_at_start,
-                  "load_end": load_average()}
+        timing = {"wall_s": time.perf_counter() - start, "threads": threads, "threads_end": torch.get_num_threads(),
+                  "load_start": load_at_start, "load_end": load_average()}
         print_report(cfg, metrics, loggers, timing)
     return metrics
 

@@ -32,7 +32,7 @@ class RandomTwinNLL(L.Callback):
     batch_size: windows per forward.
     init_tolerance: warn when the twin's NLL is further than this (relative) from ln(V).
     learning_after_steps: from this step on, warn when the trained model is not below its twin or
-        its unigram (the default run is at the unigram's level at step 100: 3.534 vs 3.525 bits/char).
+        its unigram (the default run is below its unigram from step 100 on: 3.599 vs 3.653 bits/char on Bangla).
     languages: the languages to score (default: every validation language).
     baselines: also count and score the unigram and bigram baselines of the training shards.
     baseline_max_tokens: count the baselines from at most this many training tokens per language

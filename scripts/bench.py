@@ -113,10 +113,10 @@ def lightning_run(cfg: DictConfig, datamodule, warmup: int, steps: int, train_da
     arbiter = next((c for c in callbacks if type(c).__name__ == "GradientFlowArbiter"), None)
     out = {"tokens_per_s": clock.tokens_per_s, "monitor": dict(mfu.last) if mfu else {},
            "attention_kernel": module.attention_kernel}
-    if arbiter is not None and arbiter.sentinel_steps:
+    if arbiter is not None and arbiter.state.sentinel_steps:
         # measured inside the same run: the sentinel's own time per step over the mean step time
         step_s = cfg.data.batch_size * cfg.data.seq_len / clock.tokens_per_s
-        out["sentinel_share"] = arbiter.sentinel_seconds / arbiter.sentinel_steps / step_s
+        out["sentinel_share"] = arbiter.state.sentinel_seconds / arbiter.state.sentinel_steps / step_s
     return out
 
 

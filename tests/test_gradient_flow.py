@@ -15,6 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
+from bnlit import gradient_flow as gf
 from bnlit.gradient_flow import (
     compare_gradients,
     eager_fp32,
@@ -380,7 +381,7 @@ def test_accumulation_over_4_micro_batches_checks_once_per_optimizer_step(tmp_pa
 
     trainer = fit(callbacks=[arbiter, Count()], tmp_path=tmp_path, accumulate_grad_batches=4, max_steps=3)
     assert trainer.global_step == 3 and len(calls) == 12
-    assert arbiter.checks == 3  # once per optimizer step, not per micro-batch
+    assert arbiter.state.checks == 3  # once per optimizer step, not per micro-batch
     assert arbiter.last_report["ok"] and arbiter.last_report["updates"]["num_ok"] == len(list(tiny().parameters()))
 
 
@@ -390,7 +391,7 @@ def test_bf16_mixed_run_passes_with_parity(tmp_path, caplog):
         fit(callbacks=[arbiter], tmp_path=tmp_path, precision="bf16-mixed", max_steps=2)
     parity = arbiter.last_report["fast_path_parity"]
     assert parity["ok"] and 0.99 < min(parity["cosine"].values()) < 1.0
-    assert "fast-path parity (bf16-mixed)" in caplog.text and arbiter.checks == 2
+    assert "fast-path parity (bf16-mixed)" in caplog.text and arbiter.state.checks == 2
 
 
 def test_fast_path_fault_stops_a_bf16_run_at_step_1(tmp_path):
@@ -445,7 +446,7 @@ def test_warn_mode_reports_and_keeps_training(tmp_path):
     arbiter = GradientFlowArbiter(every_n_steps=1, on_fail="warn")
     with pytest.warns(UserWarning, match=r"model\.layers\.1\.attention\.wv\.weight \[zero\] gradient is exactly zero"):
         trainer = fit(model, callbacks=[arbiter], tmp_path=tmp_path)
-    assert trainer.global_step == 3 and arbiter.checks == 3 and not arbiter.last_report["ok"]
+    assert trainer.global_step == 3 and arbiter.state.checks == 3 and not arbiter.last_report["ok"]
 
 
 def test_arguments_are_validated():
@@ -523,3 +524,27 @@ def test_ddp_fault_on_one_rank_stops_both_ranks_with_the_same_error(tmp_path):
     msg = same_error_on_both_ranks(*run_two_ranks(WORKER, tmp_path, timeout=300))
     assert ("gradient-flow check failed at step 1 for 1 parameter(s): model.layers.0.attention.wv.weight [nonfinite] "
             "gradient has NaN/Inf values (on 1 of 2 ranks)") in msg
+
+
+def test_arbiter_state_schedule_without_a_trainer():
+    """The per-step bookkeeping alone: what is due, a skipped due step carried over, sentinel trips,
+    fp16 overflow deferrals capped at MAX_DEFERRED, parity once then on its cadence."""
+    state = gf.ArbiterState(gf.ArbiterSettings(every_n_steps=4, fast_path_parity=True, parity_every_n_steps=3))
+    assert state.new_step(1) and not state.new_step(1)  # a second optimizer of the same step
+    assert state.due(1, None)  # the first check of a fit
+    state.checks = 1
+    assert not state.due(2, None) and state.due(4, None) and state.due(7, 7)  # cadence; the last step
+    state.skip(state.due(4, None))
+    assert state.skipped_steps == 1 and state.due(5, None)  # the skipped due check runs next step
+    assert state.run_check(due=True, tripped=False) and not state.due(5, None)
+    assert state.run_check(due=False, tripped=True) and state.sentinel_trips == 1
+    assert not state.run_check(due=False, tripped=False)
+    assert "NaN guard skips" in state.defer(3, True, fp16=False, guard_skips=lambda: True)
+    assert state.defer(3, True, fp16=False, guard_skips=lambda: False) is None
+    for i in range(gf.MAX_DEFERRED):
+        assert f"overflow {i + 1}/{gf.MAX_DEFERRED}" in state.defer(3, True, fp16=True, guard_skips=lambda: False)
+    assert state.defer(3, True, fp16=True, guard_skips=lambda: False) is None and state.deferred == 0
+    assert state.parity_due(2)
+    state.parity_done = True
+    assert not state.parity_due(2) and state.parity_due(3)
+    assert not gf.ArbiterState(state.settings, sharded=True).parity_due(1)  # FSDP: no eager reference

@@ -113,7 +113,7 @@ def test_fault_starting_at_step_3_is_reported_at_step_3(cls, category, tmp_path)
     arbiter = GradientFlowArbiter()  # full check every 50 steps
     with pytest.raises(GradientFlowError, match=rf"failed at step 3 .*model\.layers\.1\.attention\.wv\.weight \[{category}\]"):
         fit(callbacks=[PlantAt(3, "layers.1.attention.wv", cls), arbiter], tmp_path=tmp_path, max_steps=10)
-    assert arbiter.checks == 2 and arbiter.sentinel_trips == 1  # step 1, then step 3 on the sentinel's call
+    assert arbiter.state.checks == 2 and arbiter.state.sentinel_trips == 1  # step 1, then step 3 on the sentinel's call
 
 
 class FreezeAt(L.Callback):
@@ -244,7 +244,7 @@ class SpreadProbe(L.Callback):
 
 def _assert_healthy(trainer, arbiter, steps, tmp_path):
     assert trainer.global_step == steps
-    assert arbiter.checks == 3 and arbiter.sentinel_trips == 0  # steps 1, 25, 50; the sentinel never called
+    assert arbiter.state.checks == 3 and arbiter.state.sentinel_trips == 0  # steps 1, 25, 50; the sentinel never called
     assert arbiter.last_report["ok"] and not arbiter.last_report["gradients"]["findings"]
     assert not (tmp_path / "checkpoints" / "gradient_flow.json").exists()
 
@@ -357,7 +357,7 @@ def test_third_party_module_healthy_passes_with_parity(module_cls, kind, tmp_pat
     arbiter = GradientFlowArbiter(every_n_steps=3)
     with caplog.at_level(logging.INFO, logger="bnlit"):
         trainer = third_party_fit(module_cls(), kind, [arbiter], tmp_path, precision="bf16-mixed")
-    assert trainer.global_step == 6 and arbiter.checks == 3 and arbiter.last_report["ok"]
+    assert trainer.global_step == 6 and arbiter.state.checks == 3 and arbiter.last_report["ok"]
     parity = arbiter.last_report["fast_path_parity"]
     assert parity["ok"] and parity["names"][0] == "net.embed.weight" and 0.99 < min(parity["cosine"].values()) < 1.0
     assert "fast-path parity (bf16-mixed): 9/9 parameters within tolerance" in caplog.text
@@ -496,5 +496,5 @@ class DropStep(L.Callback):
 def test_a_step_dropped_by_design_is_not_judged_and_a_due_check_runs_next(tmp_path):
     arbiter = GradientFlowArbiter(every_n_steps=2)
     trainer = fit(callbacks=[DropStep(1), DropStep(4), arbiter], tmp_path=tmp_path, max_steps=5)
-    assert trainer.global_step == 5 and arbiter.skipped_steps == 2 and arbiter.last_report["ok"]
-    assert arbiter.checks == 2  # step 1 dropped: the first check at 2; 4 (cadence) dropped: at 5
+    assert trainer.global_step == 5 and arbiter.state.skipped_steps == 2 and arbiter.last_report["ok"]
+    assert arbiter.state.checks == 2  # step 1 dropped: the first check at 2; 4 (cadence) dropped: at 5
