@@ -252,12 +252,19 @@ class SignalLatch:
         return True
 
 
+WORKER_IGNORED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+
+
 def worker_ignores_interrupts(worker_id: int) -> None:
     """``DataLoader(worker_init_fn=...)``: a Ctrl-C in a terminal reaches the data-loader workers
-    too, and a worker that gets it exits, so the trainer's next batch fails before the interrupt
-    checkpoint is written. Workers ignore SIGINT; the trainer decides. Keeps Lightning's worker
-    seeding (``seed_everything(workers=True)``), which a custom ``worker_init_fn`` replaces."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    too, and so do SLURM's signals (``scontrol requeue``'s SIGTERM, ``--signal``'s SIGUSR1/2 go to
+    every process of the job step). A worker that gets one either exits (the trainer's next batch
+    fails before the interrupt checkpoint is written) or runs the handler it inherited from the
+    trainer (submitit's requeue: every worker of rank 0 would requeue the job). Workers ignore them;
+    the trainer decides and shuts the workers down. Keeps Lightning's worker seeding
+    (``seed_everything(workers=True)``), which a custom ``worker_init_fn`` replaces."""
+    for sig in WORKER_IGNORED_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
     if os.environ.get("PL_SEED_WORKERS") == "1":
         from lightning.fabric.utilities.seed import pl_worker_init_function
 

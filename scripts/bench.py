@@ -150,6 +150,41 @@ def raw_run(cfg: DictConfig, datamodule, warmup: int, steps: int) -> dict:
     return {"tokens_per_s": tokens / elapsed, "data_share": fetch / elapsed}
 
 
+def masking_interleaved(cfg: DictConfig, datamodule, warmup: int, pairs: int) -> dict:
+    """The step-time cost of document masking on its own: one model, one optimizer and one batch
+    stream in a plain loop, the mask on and off on alternate optimizer steps (on/off, off/on, ...),
+    so load that drifts over seconds cancels within each pair. ``ratio``: the median over pairs of
+    (step time with the mask) / (step time without), the mask's construction included."""
+    torch.manual_seed(cfg.seed)
+    model = instantiate(cfg.model)
+    model.loss_fn = loss_fn(cfg.module.loss_impl, "cpu", cfg.trainer.precision)
+    optimizer = instantiate(cfg.optimizer)(param_groups(model, cfg.optimizer.weight_decay))
+    def forever():
+        while True:
+            yield from datamodule.train_dataloader()
+
+    batches = forever()
+    model.train()
+    times: dict[bool, list[float]] = {True: [], False: []}
+    docs = []
+    for i in range(2 * (warmup + pairs)):
+        masked = (i % 2 == 0) == ((i // 2) % 2 == 0)  # who goes first alternates from pair to pair
+        x, y = next(batches)
+        t0 = time.perf_counter()
+        mask = document_mask(x, EOS_ID) if masked else None
+        model(x, y, mask=mask).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if i >= 2 * warmup:
+            times[masked].append(time.perf_counter() - t0)
+            docs.append(float((x == EOS_ID).sum(1).float().mean()) + 1)
+    ratios = [on / off for on, off in zip(times[True], times[False])]
+    return {"ratio": statistics.median(ratios), "pairs": pairs, "ratio_quartiles": statistics.quantiles(ratios, n=4),
+            "step_ms_masked": 1e3 * statistics.median(times[True]),
+            "step_ms_causal": 1e3 * statistics.median(times[False]),
+            "documents_per_window": statistics.mean(docs), "load_average_1m": os.getloadavg()[0]}
+
+
 def cpu_bench(args, run_root: Path) -> dict:
     have_arbiter, note = arbiter_available()
     base = [f"model={args.model}", "logger=csv", "trainer.limit_val_batches=0", "validate_at_start=false",
@@ -237,6 +272,8 @@ def cpu_bench(args, run_root: Path) -> dict:
     out["chunked_loss_step_time_ratio"] = paired("lightning", "lightning_chunked_loss")  # vs the configured loss_impl
     out["fused_loss_step_time_ratio"] = paired("lightning", "lightning_fused_loss")
     out["loss_impl"] = cfg.module.loss_impl
+    if args.masking_pairs:
+        out["document_masking_interleaved"] = masking_interleaved(cfg, datamodule, args.warmup, args.masking_pairs)
     if args.memory:
         out["loss_memory"] = loss_memory(args)
     if have_arbiter:
@@ -380,6 +417,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="CPU: only these Lightning variants beside raw and lightning (comma-separated: "
                          "lightning_masking_flipped, lightning_chunked_loss, lightning_fused_loss, lightning_no_arbiter, "
                          "lightning_arbiter_every_step); figures of the others are null")
+    ap.add_argument("--masking-pairs", type=int, default=50,
+                    help="CPU: optimizer steps per side of the interleaved masking on/off comparison (0: skip)")
     ap.add_argument("--parity", action="store_true", help="CUDA: keep the arbiter's fp32 parity probe")
     ap.add_argument("--cpu", action="store_true", help="run the CPU benchmark even if CUDA is available")
     ap.add_argument("--override", action="append", default=[], help="extra Hydra override (repeatable); on CUDA "
@@ -433,6 +472,12 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"  document masking step-time ratio {fmt(result['document_masking_step_time_ratio'], '.3f')}; step-time "
               f"ratio to the {result['loss_impl']} loss: chunked {fmt(result['chunked_loss_step_time_ratio'], '.3f')}, "
               f"fused {fmt(result['fused_loss_step_time_ratio'], '.3f')}")
+        if result.get("document_masking_interleaved"):
+            m = result["document_masking_interleaved"]
+            print(f"  document masking, interleaved step by step ({m['pairs']} pairs, {m['documents_per_window']:.1f} "
+                  f"documents per window): step-time ratio {m['ratio']:.3f} (quartiles "
+                  f"{m['ratio_quartiles'][0]:.3f}-{m['ratio_quartiles'][2]:.3f}), {m['step_ms_masked']:.1f} vs "
+                  f"{m['step_ms_causal']:.1f} ms")
         if result.get("loss_memory"):
             m = result["loss_memory"]
             print(f"  peak memory of one forward+backward ({m['model']}, seq {m['seq_len']}, batch {m['batch_size']}): "

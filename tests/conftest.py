@@ -47,10 +47,6 @@ TINY = [
     "callbacks.fertility.floors.bn=1.5",
 ]
 
-# the GPU profiles' switches rehearsed on CPU (conf/debug/rehearsal.yaml will hold these)
-REHEARSAL = ["trainer.accelerator=cpu", "trainer.precision=32-true", "module.compile=false", "optimizer.fused=false",
-             "data.num_workers=0", "data.pin_memory=false"]
-
 
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> Path:

@@ -26,6 +26,8 @@ SlurmdPort={slurmd_port}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
+# a requeued job may start again cred_expire + 1 s after the requeue (SLURM's default: 120 s)
+AuthInfo=cred_expire=10
 CredType=cred/munge
 StateSaveLocation={root}/state
 SlurmdSpoolDir={root}/spool
@@ -152,7 +154,11 @@ class SlurmCluster:
                          for p in sorted(self.root.glob("*.log")) + sorted(self.root.glob("*.out")))
 
     def stop(self) -> None:
-        self.run("scancel", "--full", "-u", "root", check=False)
+        if self._procs:  # nothing to cancel (and maybe no scancel) when no daemon started
+            try:
+                self.run("scancel", "--full", "-u", "root", check=False)
+            except (OSError, subprocess.SubprocessError):
+                pass
         for p in reversed(self._procs):
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)

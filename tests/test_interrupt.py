@@ -189,19 +189,36 @@ def test_a_second_signal_is_latched_not_raised_and_a_third_ctrl_c_aborts():
                                      "ckpt_path=last hydra.run.dir=/r")
 
 
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+
+
 class SelfInterrupting(torch.utils.data.Dataset):
-    """Each item sends its own worker a SIGINT, as a Ctrl-C in a terminal does."""
+    """Item i sends its own worker the i-th signal, as a Ctrl-C in a terminal does (SIGINT), or
+    SLURM to every process of a job step (SIGTERM on preemption, SIGUSR1/2 before the time limit)."""
 
     def __len__(self):
-        return 4
+        return len(SIGNALS)
 
     def __getitem__(self, i):
-        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), SIGNALS[i])
         return torch.tensor(i)
 
 
-def test_data_loader_workers_survive_ctrl_c():
+def test_data_loader_workers_survive_ctrl_c_and_slurm_signals():
     from bnlit.checkpointing import worker_ignores_interrupts
 
-    loader = torch.utils.data.DataLoader(SelfInterrupting(), num_workers=1, worker_init_fn=worker_ignores_interrupts)
-    assert [int(x) for x in loader] == [0, 1, 2, 3]
+    # the trainer's handlers at fork time: a worker must not run them (submitit would requeue the job)
+    ran = []
+    before = {s: signal.signal(s, lambda *a: ran.append(os.getpid())) for s in SIGNALS}
+    try:
+        loader = torch.utils.data.DataLoader(SelfInterrupting(), num_workers=1,
+                                             worker_init_fn=worker_ignores_interrupts)
+        assert [int(x) for x in loader] == list(range(len(SIGNALS)))
+        # the comparison can fail: without it the worker dies of SIGTERM
+        with pytest.raises(RuntimeError, match="DataLoader worker"):
+            list(torch.utils.data.DataLoader(SelfInterrupting(), num_workers=1,
+                                             worker_init_fn=lambda i: signal.signal(signal.SIGTERM, signal.SIG_DFL)))
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
+    assert ran == []

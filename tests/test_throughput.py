@@ -302,7 +302,7 @@ def test_bench_script_runs_on_cpu(cache_dir, capsys):
                                                   "callbacks.model_checkpoint", "logger", "~callbacks.progress_bar",
                                                   "trainer.enable_progress_bar"))]
     out = bench.main(["--json", "--warmup", "2", "--steps", "3", "--reps", "1", "--memory-model", "tiny",
-                      "--memory-seq-len", "64", "--memory-batch-size", "2", "--memory-reps", "1",
+                      "--memory-seq-len", "64", "--memory-batch-size", "2", "--memory-reps", "1", "--masking-pairs", "3",
                       *(f"--override={o}" for o in keep)])
     printed = json.loads(capsys.readouterr().out)
     assert printed["lightning_vs_raw"] == pytest.approx(out["lightning_vs_raw"])
@@ -310,6 +310,8 @@ def test_bench_script_runs_on_cpu(cache_dir, capsys):
               "arbiter_overhead_ratio_every_step", "data_loader_share", "mfu_cpu_pct_lightning",
               "document_masking_step_time_ratio", "chunked_loss_step_time_ratio", "fused_loss_step_time_ratio"):
         assert printed[k] is not None and printed[k] > 0, k
+    masking = printed["document_masking_interleaved"]
+    assert masking["pairs"] == 3 and masking["ratio"] > 0 and masking["documents_per_window"] >= 1
     memory = printed["loss_memory"]
     for impl in ("plain", "chunked", "fused"):
         assert memory[f"{impl}_growth_mib"] > 0, impl
