@@ -469,15 +469,15 @@ def test_probe_at_400m_on_h100_settings_stays_below_the_training_step(make_cfg):
     cfg = instantiate(OmegaConf.load(CONF_DIR / "model" / "400m.yaml").model.config)
     arbiter = OmegaConf.load(CONF_DIR / "callbacks" / "gradient_flow.yaml").gradient_flow
     with FakeTensorMode():
-        measured = probe_peak_bytes(cfg, arbiter.settings.probe_samples, arbiter.settings.probe_seq_len)
-    bound = parity_probe_memory_bytes(cfg, arbiter.settings.probe_samples, arbiter.settings.probe_seq_len)["total"]
+        measured = probe_peak_bytes(cfg, arbiter.probe_samples, arbiter.probe_seq_len)
+    bound = parity_probe_memory_bytes(cfg, arbiter.probe_samples, arbiter.probe_seq_len)["total"]
     assert measured <= bound <= 1.6 * measured
     assert info["parity_probe_memory_estimate_gib"]["total"] == round(bound / 2**30, 2)
     training = info["memory_estimate_gib"]["total"] * 2**30
     assert bound < 0.5 * training  # the probe never sets the device's peak
     # the unsliced micro-batch would need far more than an 80 GB device
     assert parity_probe_memory_bytes(cfg, 16, 2048)["total"] > 2 * 80e9
-    print(f"400m probe {arbiter.settings.probe_samples}x{arbiter.settings.probe_seq_len}: counted {measured / 2**30:.2f} GiB, "
+    print(f"400m probe {arbiter.probe_samples}x{arbiter.probe_seq_len}: counted {measured / 2**30:.2f} GiB, "
           f"bound {bound / 2**30:.2f} GiB, training step estimate {training / 2**30:.2f} GiB")
 
 
