@@ -159,7 +159,8 @@ class Peak:
 
 
 @functools.lru_cache(maxsize=8)
-def _measured_matmul_flops(device: str, dtype: torch.dtype, n: int, repeats: int) -> float:
+def _measured_matmul_flops(device: str, dtype: torch.dtype, n: int, repeats: int, threads: int) -> float:
+    # ``threads`` keys the cache: a CPU peak measured on 1 thread is not the peak on 2
     dev = torch.device(device)
     gen = torch.Generator(device=dev).manual_seed(0)
     a = torch.randn(n, n, device=dev, generator=gen).to(dtype)
@@ -178,11 +179,14 @@ def _measured_matmul_flops(device: str, dtype: torch.dtype, n: int, repeats: int
 
 def measure_matmul_peak(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                         n: int = 1024, repeats: int = 5) -> float:
-    """Best FLOP/s of an ``n x n`` matmul in ``dtype`` over ``repeats`` runs (cached per process).
+    """Best FLOP/s of an ``n x n`` matmul in ``dtype`` over ``repeats`` runs (cached per process and,
+    on CPU, per intra-op thread count).
 
     A measured ceiling of this machine, not a datasheet figure: MFU against it says how far the
     training step is from the machine's own best matmul rate."""
-    return _measured_matmul_flops(str(torch.device(device)), dtype, n, repeats)
+    device = torch.device(device)
+    threads = torch.get_num_threads() if device.type == "cpu" else 0
+    return _measured_matmul_flops(str(device), dtype, n, repeats, threads)
 
 
 def resolve_peak(device: torch.device | str, dtype: torch.dtype = torch.bfloat16,
@@ -199,6 +203,13 @@ def resolve_peak(device: torch.device | str, dtype: torch.dtype = torch.bfloat16
     flops = measure_matmul_peak(device, dtype)
     dt = str(dtype).removeprefix("torch.")
     return Peak(flops, name, UNKNOWN, f"measured: best 1024x1024 {dt} matmul on this machine", measured=True)
+
+
+def refresh_peak(peak: Peak, device: torch.device | str, dtype: torch.dtype) -> Peak:
+    """A measured peak again for the current CPU thread count (``callbacks.threads`` changes it during
+    a run; measured once per count, then cached), so MFU is never against another count's peak; a
+    datasheet or configured peak as it is."""
+    return resolve_peak(device, dtype) if peak.measured else peak
 
 
 # ---- sliding-window throughput -------------------------------------------------------------------

@@ -21,11 +21,11 @@ from bnlit.flops import flops_per_token
 from bnlit.throughput import (
     LowMFUError,
     MFUFloor,
-    Peak,
     StepTimer,
     batch_shape,
     peak_memory_gib,
     precision_dtype,
+    refresh_peak,
     resolve_peak,
     throughput_metrics,
     throughput_stats,
@@ -52,7 +52,7 @@ class ThroughputMonitor(Callback):
         self.floor = MFUFloor(**floor)
         self.timer = StepTimer(window_steps, clock)
         self.log_every_n_steps, self.peak_tflops = log_every_n_steps, peak_tflops
-        self.peak: Peak | None = None
+        self.peak = None  # a bnlit.throughput.Peak from fit start
         self.last: dict[str, float] = {}  # the latest logged figures
         self._fpt: dict[int, int] = {}
         self._config = None
@@ -101,11 +101,11 @@ class ThroughputMonitor(Callback):
         self.timer.pause()
 
     def _report(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
+        self.peak = refresh_peak(self.peak, pl_module.device, precision_dtype(trainer.precision))
         peak = self.peak if self._config is not None else None
         stats = throughput_stats(self.timer.window, peak.flops if peak else None, trainer.world_size)
         metrics = throughput_metrics(stats, peak, has_flops=self._config is not None)
-        key, gib = peak_memory_gib(pl_module.device)
-        self.last = metrics = {**metrics, key: gib}
+        self.last = metrics = {**metrics, **dict([peak_memory_gib(pl_module.device)])}  # + (key, GiB)
         for k, v in metrics.items():
             pl_module.log(k, v, on_step=True, on_epoch=False, rank_zero_only=True)
         agree = bool if trainer.world_size == 1 else lambda low: trainer.strategy.reduce_boolean_decision(low, all=False)

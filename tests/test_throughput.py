@@ -330,3 +330,22 @@ def test_mfu_floor_patience_without_a_trainer():
     assert floor.judge(low, cpu, 4, peak) is None
     assert "MFU 5.00% is below the floor of 20% at step 5" in floor.judge(low, cpu, 5, peak)
     assert floor.pct(torch.device("cuda")) == 20.0 and MFUFloor().pct(cpu) is None
+
+
+def test_measured_cpu_peak_follows_the_thread_count():
+    """callbacks.threads changes the thread count during a run; MFU must use that count's peak."""
+    from bnlit.throughput import Peak, measure_matmul_peak, refresh_peak, resolve_peak
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = resolve_peak("cpu", torch.float32)
+        assert one.measured and refresh_peak(one, "cpu", torch.float32).flops == one.flops  # cached per count
+        torch.set_num_threads(2)
+        two = refresh_peak(one, "cpu", torch.float32)
+        assert two.flops == measure_matmul_peak("cpu", torch.float32)  # the 2-thread measurement
+        assert two.flops != one.flops
+        sheet = Peak(1e15, "gpu", "h100-sxm", "datasheet", measured=False)
+        assert refresh_peak(sheet, "cpu", torch.float32) is sheet
+    finally:
+        torch.set_num_threads(before)
