@@ -193,13 +193,13 @@ def test_unknown_guard_policy(cli, tmp_path):
 # the tokenizer trained or a shard built, and leave the (private) cache empty
 BAD_VALUES = [
     (["threads=0"], "threads=0: must be auto or an integer >= 1; auto uses the idle cores; e.g. threads=1 on a busy machine"),
-    (["data.batch_size=0"], "data.batch_size=0: must be an integer >= 1; e.g. 16 windows per micro-batch"),
-    (["optimizer.lr=-1"], "optimizer.lr=-1: must be a finite number > 0; e.g. 3e-3 for the tiny preset"),
-    (["optimizer.lr=nan"], "optimizer.lr=nan: must be a finite number > 0; e.g. 3e-3 for the tiny preset"),
+    (["data.batch_size=0"], "data.batch_size=0: must be an integer >= 1; e.g. 32 windows per micro-batch"),
+    (["optimizer.lr=-1"], "optimizer.lr=-1: must be a finite number > 0; e.g. 2e-2 for the tiny preset"),
+    (["optimizer.lr=nan"], "optimizer.lr=nan: must be a finite number > 0; e.g. 2e-2 for the tiny preset"),
     (["data.seq_len=0"], "data.seq_len=0: must be an integer >= 2; a window needs at least 2 tokens to predict "
-                         "one from another; e.g. 256"),
+                         "one from another; e.g. 128"),
     (["data.seq_len=1"], "data.seq_len=1: must be an integer >= 2; a window needs at least 2 tokens to predict "
-                         "one from another; e.g. 256"),
+                         "one from another; e.g. 128"),
     (["trainer.accumulate_grad_batches=0"],
      "trainer.accumulate_grad_batches=0: must be an integer >= 1; use 1 for no gradient accumulation"),
     (["trainer.max_steps=0"],
@@ -227,7 +227,7 @@ BAD_VALUES = [
     (["model.config.vocab_size=10"],
      "model.config.vocab_size=10: a trained tokenizer needs at least 392 tokens (4 special, 256 byte fallback, "
      "the required characters); raise it to at least 392, e.g. 8192"),
-    (["data.seq_len=1024"], "data.seq_len=1024 exceeds model.config.max_seq_len=256 of preset tiny; "
+    (["data.seq_len=1024"], "data.seq_len=1024 exceeds model.config.max_seq_len=128 of preset tiny; "
                             "lower data.seq_len or raise max_seq_len"),
     (["data.sources.0.weight=0", "data.sources.1.weight=0"],
      "data.sources: weights [0, 0] sum to 0; give at least one source a weight > 0"),

@@ -52,7 +52,7 @@ def test_tokenizer_vocab_must_match_the_model(make_cfg, tmp_path):
 
 
 def test_seq_len_above_model_maximum(make_cfg):
-    with pytest.raises(ConfigError, match=r"data.seq_len=1024 exceeds model.config.max_seq_len=256"):
+    with pytest.raises(ConfigError, match=r"data.seq_len=1024 exceeds model.config.max_seq_len=128"):
         train(make_cfg("data.seq_len=1024"))
 
 
@@ -82,7 +82,7 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, cache_dir):
     out = run_cli("model=tiny", "data.seq_len=4096", "logger=none", f"hydra.run.dir={tmp_path}/r", cwd=tmp_path)
     assert out.returncode == 2
     errors = [l for l in out.stderr.splitlines() if l.strip()]
-    assert errors == ["error: data.seq_len=4096 exceeds model.config.max_seq_len=256 of preset tiny; "
+    assert errors == ["error: data.seq_len=4096 exceeds model.config.max_seq_len=128 of preset tiny; "
                       "lower data.seq_len or raise max_seq_len"]
 
 

@@ -1,0 +1,27 @@
+"""The CPU precision the default run picks: bf16 only where the CPU multiplies it natively."""
+
+from __future__ import annotations
+
+from bnlit.resolvers import cpu_precision
+
+
+def _cpuinfo(tmp_path, flags: str):
+    p = tmp_path / "cpuinfo"
+    p.write_text(f"processor\t: 0\nmodel name\t: test\nflags\t\t: fpu sse2 avx2 {flags}\n\nprocessor\t: 1\n")
+    return p
+
+
+def test_native_bf16_cpu_trains_in_bf16_mixed(tmp_path):
+    assert cpu_precision(_cpuinfo(tmp_path, "avx512f avx512_bf16")) == "bf16-mixed"
+    assert cpu_precision(_cpuinfo(tmp_path, "amx_tile amx_bf16")) == "bf16-mixed"
+
+
+def test_emulated_bf16_cpu_stays_in_fp32(tmp_path):
+    # AVX512 without the BF16 extension: oneDNN emulates bf16, slower than fp32
+    assert cpu_precision(_cpuinfo(tmp_path, "avx512f avx512bw avx512vl")) == "32-true"
+    assert cpu_precision(tmp_path / "missing") == "32-true"  # no /proc/cpuinfo (macOS, Windows)
+
+
+def test_cpu_trainer_resolves_to_a_lightning_precision(make_cfg):
+    cfg = make_cfg("trainer.precision=${bnlit.cpu_precision:}")
+    assert cfg.trainer.precision in ("bf16-mixed", "32-true")
