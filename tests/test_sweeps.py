@@ -14,8 +14,13 @@ from bnlit.run_report import read_metrics
 from conftest import TINY
 
 
+# every sweep here sets or searches the learning rate; a fixed optimizer.lr on the command line would
+# take it out of Optuna's search space
+SWEEP_TINY = [o for o in TINY if not o.startswith("optimizer.lr=")]
+
+
 def multirun(sweep_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "bnlit.train", "-m", *TINY, f"hydra.sweep.dir={sweep_dir}", *overrides],
+    return subprocess.run([sys.executable, "-m", "bnlit.train", "-m", *SWEEP_TINY, f"hydra.sweep.dir={sweep_dir}", *overrides],
                           capture_output=True, text=True, cwd=sweep_dir.parent, timeout=900)
 
 
