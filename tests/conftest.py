@@ -34,7 +34,7 @@ TINY = [
     "data.batch_size=4",
     "data.num_proc=1",
     "trainer.precision=32-true",  # trainer=cpu picks bf16-mixed on a CPU with native bf16
-    # a handful of steps: the default run's lr 2e-2 with warmup-stable-decay is tuned for 1200
+    # a handful of steps: the default run's lr 2e-2 with warmup-stable-decay is tuned for 900 steps
     "optimizer.lr=3e-3",
     "scheduler=cosine",
     "trainer.max_steps=4",
