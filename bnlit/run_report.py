@@ -95,6 +95,48 @@ def sweep_group() -> str | None:
     return None
 
 
+def sweep_overrides(job_overrides: Sequence[str], given: Sequence[str]) -> list[str]:
+    """The overrides that make one job of a sweep what it is: those of ``job_overrides`` whose key
+    is swept on the multirun's command line (``given``: ``optimizer.lr=1e-3,3e-3`` gives the job
+    ``optimizer.lr=0.001``) or is not on it at all (the parameters Optuna chose)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    fixed = {o.get_key_element() for o in parser.parse_overrides(list(given)) if not o.is_sweep_override()}
+    return [line for line, o in zip(job_overrides, parser.parse_overrides(list(job_overrides)))
+            if o.get_key_element() not in fixed]
+
+
+def sweep_job() -> dict[str, str]:
+    """The W&B ``group`` and ``name`` of a job of a Hydra multirun (empty outside one): the sweep
+    directory's name, and the job's own overrides, e.g. ``optimizer.lr=0.001`` (the whole command
+    line's overrides when the sweep's own record, ``multirun.yaml``, is not there)."""
+    group = sweep_group()
+    if group is None:
+        return {}
+    hc = HydraConfig.get()
+    job = list(hc.overrides.task)
+    record = Path(hc.sweep.dir) / "multirun.yaml"
+    try:
+        import yaml
+
+        given = yaml.safe_load(record.read_text())["hydra"]["overrides"]["task"]
+    except (OSError, KeyError, TypeError, ValueError):
+        given = []
+    own = sweep_overrides(job, given) if given else job
+    return {"group": group, "name": f"{hc.job.num}: {','.join(own) or hc.job.override_dirname or 'defaults'}"}
+
+
+def finish_wandb_run(exit_code: int = 0) -> None:
+    """Finish this process's W&B run, if one is active: Lightning's ``WandbLogger`` never finishes
+    it, and reuses an active run, so without this every later job of a sweep in the same process
+    would log into the first job's run."""
+    wandb = sys.modules.get("wandb")
+    run = getattr(wandb, "run", None) if wandb is not None else None
+    if run is not None:
+        run.finish(exit_code=exit_code)
+
+
 # -- the summary and the final report -------------------------------------------------------------
 
 # plot name -> predicate on a metric key

@@ -22,10 +22,12 @@ from omegaconf import DictConfig, OmegaConf
 
 import bnlit.resolvers  # noqa: F401  (registers ${bnlit.*} resolvers)
 from bnlit import CONF_DIR
+from bnlit.command_line import check_command_line
 from bnlit.checkpointing import Interrupted, prepare_resume, remove_partial_writes
 from bnlit.errors import BnlitError, ConfigError
 from bnlit.host_malloc import KEEP_BYTES, keep_freed_memory
-from bnlit.run_report import print_report, redact, run_tags, sweep_group, write_summary
+from bnlit import run_dir
+from bnlit.run_report import finish_wandb_run, print_report, redact, run_tags, sweep_job, write_summary
 from bnlit.threads import load_average, set_threads
 from bnlit.validate import instantiate_checked, validate_config
 
@@ -43,7 +45,22 @@ def instantiate_group(group: DictConfig | None, wandb_kwargs: dict | None = None
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
-    """Fit the configured model; return the final ``trainer.callback_metrics`` as floats."""
+    """Fit the configured model; return the final ``trainer.callback_metrics`` as floats. The run
+    dir's record (``.hydra/``, ``train.log``) is written once the checks pass; the job's W&B run is
+    finished when it ends, so the next job of a sweep in this process starts its own."""
+    run_dir.hold_log()
+    try:
+        metrics = fit(cfg)
+    except BaseException:
+        finish_wandb_run(exit_code=1)
+        raise
+    finally:
+        run_dir.close_log()
+    finish_wandb_run(exit_code=0)
+    return metrics
+
+
+def fit(cfg: DictConfig) -> dict[str, float]:
     start = time.perf_counter()
     validate_config(cfg)  # seconds, before anything is built or written
     threads = set_threads(cfg.get("threads", "auto"))
@@ -52,9 +69,10 @@ def train(cfg: DictConfig) -> dict[str, float]:
     load_at_start = load_average()
     callbacks = instantiate_group(cfg.get("callbacks"))  # their own argument checks, also before the data build
     checkpoint_dir = Path(cfg.paths.checkpoint_dir)
-    remove_partial_writes(checkpoint_dir)
     ckpt_path, ckpt_io = prepare_resume(cfg.get("ckpt_path"), checkpoint_dir, cfg.get("overwrite", False),
                                         instantiate(cfg.model.config), cfg.trainer.get("strategy"))
+    run_dir.write_record(cfg)  # the run is accepted: from here on it may write into its run dir
+    remove_partial_writes(checkpoint_dir)
     L.seed_everything(cfg.seed, workers=True)
     if torch.cuda.is_available():
         torch.set_float32_matmul_precision("high")
@@ -63,7 +81,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     model = instantiate(cfg.model)
     scheduler = instantiate(cfg.scheduler) if cfg.get("scheduler") else None
     module = instantiate(cfg.module)(model=model, optimizer=instantiate(cfg.optimizer), scheduler=scheduler)
-    loggers = instantiate_group(cfg.get("logger"), {"tags": run_tags(cfg), "group": sweep_group()})
+    loggers = instantiate_group(cfg.get("logger"), {"tags": run_tags(cfg), **sweep_job()})
     trainer: L.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False,
                                      plugins=[ckpt_io])
     for lg in loggers:
@@ -103,8 +121,18 @@ def needs_final_validation(trainer: L.Trainer) -> bool:
     return trainer.global_step > 0 and trainer.global_step % interval != 0
 
 
+def main() -> None:
+    """The command line is checked before Hydra makes a directory (bnlit/command_line.py)."""
+    try:
+        check_command_line(sys.argv[1:], CONF_DIR)
+    except BnlitError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(e.exit_code)
+    run()
+
+
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
-def main(cfg: DictConfig) -> float | None:
+def run(cfg: DictConfig) -> float | None:
     try:
         metrics = train(cfg)
         return optimized(metrics, cfg.get("optimized_metric"))
@@ -115,19 +143,23 @@ def main(cfg: DictConfig) -> float | None:
             e.then()  # requeue a SLURM job
         sys.exit(e.exit_code)
     except BnlitError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(e.exit_code)
+        refuse(e, cfg)
     except InstantiationException as e:  # a constructor's BnlitError, wrapped by hydra.utils.instantiate
-        cause = e.__cause__
-        if not isinstance(cause, BnlitError):
+        if not isinstance(e.__cause__, BnlitError):
             raise
-        print(f"error: {cause}", file=sys.stderr, flush=True)
-        sys.exit(cause.exit_code)
+        refuse(e.__cause__, cfg)
     except OSError as e:
         if e.errno != errno.ENOSPC:
             raise
         print(f"error: {disk_full_message(e, cfg)}", file=sys.stderr, flush=True)
         sys.exit(2)
+
+
+def refuse(e: BnlitError, cfg: DictConfig) -> None:
+    """One line and the error's exit code; the run dir Hydra made for this run goes if it is empty."""
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    run_dir.remove_if_new(cfg.paths.output_dir)
+    sys.exit(e.exit_code)
 
 
 def optimized(metrics: dict[str, float], name: str | None) -> float | None:

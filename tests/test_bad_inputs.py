@@ -97,9 +97,39 @@ def test_config_typo_names_the_key(tmp_path, cache_dir):
 
     out = subprocess.run([sys.executable, "-m", "bnlit.train", "trainer.max_stepz=5", f"hydra.run.dir={tmp_path}/r"],
                          capture_output=True, text=True, timeout=120)
-    assert out.returncode != 0
-    assert "Could not override 'trainer.max_stepz'" in out.stderr and "Key 'max_stepz' is not in struct" in out.stderr
+    assert out.returncode == 2
+    assert out.stderr.strip() == ("error: trainer.max_stepz=5: no config group or schema defines trainer.max_stepz, so "
+                                  "nothing would read it; did you mean trainer.max_steps? (python -m bnlit.train --cfg "
+                                  "job lists every key)")
     assert not (tmp_path / "r").exists()  # refused before any output
+
+
+def snapshot(root: Path) -> dict[str, bytes | None]:
+    """Every path under ``root`` with its bytes (``None`` for a directory)."""
+    return {str(p.relative_to(root)): None if p.is_dir() else p.read_bytes() for p in sorted(root.rglob("*"))}
+
+
+def test_refused_run_leaves_an_existing_run_dir_byte_identical(cli, good_run):
+    """Refused after Hydra composed it (a fresh run into a run dir with checkpoints): the run's
+    record (.hydra/*.yaml, train.log) is what it was; bnlit writes it only once a run is accepted."""
+    run, last, before = good_run
+    was = snapshot(run)
+    assert {".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml", "train.log"} <= set(was)
+    code, err = cli(run, "optimizer.lr=0.5", "model.config.dim=128")
+    assert code == 2 and "already holds checkpoints of another run" in only_error(err)
+    assert snapshot(run) == was
+
+
+@pytest.mark.parametrize("overrides", [["trainer.max_steps=0"], ["+learning_rate=1e-3"]])
+def test_refused_run_leaves_no_new_directory(cli, tmp_path, monkeypatch, overrides):
+    """Refused in the job (a bad value) or before Hydra starts (an unknown key): no run dir, no
+    ``outputs/``, in the directory the command ran in."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["bnlit.train", *TINY, *overrides])
+    with pytest.raises(SystemExit) as e:
+        main()
+    assert e.value.code == 2
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_shard_that_does_not_match_its_index(cli, good_run, cache_dir, tmp_path, monkeypatch):

@@ -33,7 +33,7 @@ def test_offline_run_never_writes_the_api_key(tmp_path, cache_dir):
                WANDB_CONFIG_DIR=str(tmp_path / "wandb_config"), WANDB_CACHE_DIR=str(tmp_path / "wandb_cache"))
     overrides = [o for o in TINY if o != "logger=csv"]
     out = subprocess.run([sys.executable, "-m", "bnlit.train", *overrides, "logger=wandb", "tags=[ablation]",
-                          "+secret.api_key=${oc.env:WANDB_API_KEY}", f"hydra.run.dir={run}"],
+                          "+logger.wandb.settings.api_key=${oc.env:WANDB_API_KEY}", f"hydra.run.dir={run}"],
                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert FAKE_KEY not in out.stdout + out.stderr
@@ -45,7 +45,7 @@ def test_offline_run_never_writes_the_api_key(tmp_path, cache_dir):
     for key in (b"optimizer", b"seq_len", b"vocab_size", b"checkpoint_dir", REDACTED.encode()):
         assert key in record, key  # the full composed config, the secret redacted
     hparams = yaml.safe_load((run / "csv" / "hparams.yaml").read_text())  # the same dict, to the CSV logger
-    assert hparams["secret"]["api_key"] == REDACTED and hparams["model"]["config"]["name"] == "tiny"
+    assert hparams["logger"]["wandb"]["settings"]["api_key"] == REDACTED and hparams["model"]["config"]["name"] == "tiny"
     for tag in (b"model:tiny", b"trainer:cpu", b"data:bn", b"ablation"):
         assert tag in record, tag
     # the CSV logger runs alongside W&B: the summary and its plots exist without W&B
