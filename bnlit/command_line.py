@@ -83,7 +83,7 @@ def check_command_line(argv: Sequence[str], config_dir: str | os.PathLike, confi
                 pass
     key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
     out = Path(str(OmegaConf.select(cfg, key)))
-    check_writable(out, key)
+    check_writable(out, key, " (or paths.log_dir for the default run dirs)")
     from bnlit.run_dir import note_existing
 
     note_existing(out)
@@ -237,7 +237,7 @@ def check_overrides(cfg: DictConfig, overrides: Sequence[Any]) -> None:
 
 # -- directories ------------------------------------------------------------------------------------
 
-def check_writable(path: Path, field: str) -> None:
+def check_writable(path: Path, field: str, fix: str = "") -> None:
     """``path`` is a directory this process can write in, or can be made: a directory made and
     removed again in its nearest existing ancestor is the proof (``os.access`` says yes to root on a
     read-only mount, and to anyone under ``/proc``)."""
@@ -253,4 +253,4 @@ def check_writable(path: Path, field: str) -> None:
         where = Path(e.filename).parent if e.filename else path  # exists() fails where a parent is not searchable
         place = "" if where == path else " (the nearest existing directory on its path)"
         raise ConfigError(f"{field}={path}: cannot write in {where}{place}: {e.strerror or e}; "
-                          f"choose another {field} (or paths.log_dir for the default run dirs)") from None
+                          f"choose another {field}{fix}") from None

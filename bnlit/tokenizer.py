@@ -198,10 +198,11 @@ def train_tokenizer(
     except RuntimeError as e:
         reason = str(e).splitlines()[0]
         if "too high" in reason:  # more pieces asked for than the text can supply
-            fix = f"lower model.config.vocab_size={vocab_size} or give more text"
+            fix = f"lower tokenizer.vocab_size={vocab_size} (it follows model.config.vocab_size) or give more text"
         else:  # "smaller than required_chars. 10 vs 339": the text's characters alone need 339 pieces
             need = re.search(r"(\d+) vs (\d+)", reason)
-            fix = f"raise model.config.vocab_size={vocab_size} to at least {need.group(2) if need else MIN_VOCAB_SIZE} (e.g. 8192)"
+            fix = (f"raise tokenizer.vocab_size={vocab_size} (it follows model.config.vocab_size) to at least "
+                   f"{need.group(2) if need else MIN_VOCAB_SIZE} (e.g. 8192)")
         raise TokenizerError(f"tokenizer training failed ({reason}); {fix}") from None
     finally:
         bar.close()

@@ -184,10 +184,65 @@ def check_model(cfg: DictConfig) -> None:
     if seq_len is not None and seq_len > model.max_seq_len:
         raise ConfigError(f"data.seq_len={seq_len} exceeds model.config.max_seq_len={model.max_seq_len} "
                           f"of preset {model.name}; lower data.seq_len or raise max_seq_len")
-    if not _get(cfg, "tokenizer.path") and model.vocab_size < MIN_VOCAB_SIZE:
-        raise ConfigError(f"model.config.vocab_size={model.vocab_size}: a trained tokenizer needs at least "
-                          f"{MIN_VOCAB_SIZE} tokens (4 special, 256 byte fallback, the required characters); "
-                          f"raise it to at least {MIN_VOCAB_SIZE}, e.g. 8192")
+    if not _get(cfg, "tokenizer.path"):
+        # the tokenizer's size follows model.config.vocab_size unless tokenizer.vocab_size is set
+        follows = "tokenizer" not in cfg or OmegaConf.is_interpolation(cfg.tokenizer, "vocab_size")
+        field, size = ("model.config.vocab_size", model.vocab_size) if follows else \
+            ("tokenizer.vocab_size", _get(cfg, "tokenizer.vocab_size"))
+        if not follows and _is_int(size) and size > model.vocab_size:
+            raise ConfigError(f"tokenizer.vocab_size={size} > model.config.vocab_size={model.vocab_size}: its token ids "
+                              "would not fit the embedding; set model.config.vocab_size instead (the tokenizer follows it)")
+        if _is_int(size) and size < MIN_VOCAB_SIZE:
+            raise ConfigError(f"{field}={size}: a trained tokenizer needs at least {MIN_VOCAB_SIZE} tokens (4 special, "
+                              f"256 byte fallback, the required characters); raise it to at least {MIN_VOCAB_SIZE}, "
+                              "e.g. 8192")
+
+
+PROFILE_HINT = "rehearse this profile on CPU with debug=rehearsal, or train on CPU with trainer=cpu"
+
+
+def check_hardware(cfg: DictConfig) -> None:
+    """The accelerator, precision and device count against this machine, before any work."""
+    import typing
+
+    import torch
+    from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT
+
+    from bnlit.threads import available_cpus
+
+    accelerator = str(_get(cfg, "trainer.accelerator", "auto"))
+    devices, precision = _get(cfg, "trainer.devices"), _get(cfg, "trainer.precision")
+    if accelerator in ("gpu", "cuda"):
+        found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if not found:
+            build = "a CPU-only torch build" if torch.version.cuda is None else "no CUDA device visible"
+            raise ConfigError(f"trainer.accelerator={accelerator}: this machine has no GPU ({build}); {PROFILE_HINT}")
+        if _is_int(devices) and devices > found:
+            raise ConfigError(f"trainer.devices={devices}: this machine has {found} GPU(s); "
+                              f"use trainer.devices={found} or fewer")
+    allowed = [str(v) for arg in typing.get_args(_PRECISION_INPUT) for v in typing.get_args(arg)]
+    if precision is not None and str(precision) not in allowed:
+        raise ConfigError(f"trainer.precision={precision!r}: not a precision Lightning knows; use one of "
+                          "32-true, bf16-mixed, 16-mixed, bf16-true, 16-true, 64-true")
+    cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
+    if cpu and str(precision) in ("16-mixed", "16", "16-true"):
+        raise ConfigError(f"trainer.precision={precision}: float16 autocast has no CPU support in Lightning; "
+                          "use bf16-mixed or 32-true on CPU")
+    cores = available_cpus()
+    if cpu and _is_int(devices) and devices > cores:
+        log.warning("trainer.devices=%d on %d CPU core(s): %d processes time-slice the cores, so expect each step "
+                    "to take at least %.1fx as long as with trainer.devices=%d (the same work per process on fewer "
+                    "cores each), plus the switching; fine to rehearse a %d-rank layout, slow to train", devices,
+                    cores, devices, devices / cores, cores, devices)
+
+
+def check_cache_dir(cfg: DictConfig) -> None:
+    """Tokenizers and shards are written under ``paths.cache_dir``."""
+    from bnlit.command_line import check_writable
+
+    cache = _get(cfg, "paths.cache_dir")
+    if cache:
+        check_writable(Path(cache).expanduser(), "paths.cache_dir")
 
 
 # ---- data files -------------------------------------------------------------------------------
@@ -365,4 +420,6 @@ def validate_config(cfg: DictConfig) -> None:
     check_values(cfg)
     check_steps(cfg)
     check_model(cfg)
+    check_hardware(cfg)
     check_data(cfg)
+    check_cache_dir(cfg)

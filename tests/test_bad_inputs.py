@@ -278,7 +278,20 @@ BAD_VALUES = [
      "callbacks.random_twin.max_tokens=1: must be >= 2 or null (whole slice)"),
     (["callbacks.nan_guard.policy=ignore"], "callbacks.nan_guard.policy='ignore': use one of ['halt', 'skip']"),
     (["tokenizer.path=/nonexistent/tok.model"], "tokenizer.path: file /nonexistent/tok.model does not exist; fix the path"),
+    (["tokenizer.vocab_size=10"],
+     "tokenizer.vocab_size=10: a trained tokenizer needs at least 392 tokens (4 special, 256 byte fallback, "
+     "the required characters); raise it to at least 392, e.g. 8192"),
+    (["tokenizer.vocab_size=2048"], "tokenizer.vocab_size=2048 > model.config.vocab_size=1024: its token ids would not "
+                                    "fit the embedding; set model.config.vocab_size instead (the tokenizer follows it)"),
+    (["trainer.precision=fp8"], "trainer.precision='fp8': not a precision Lightning knows; use one of 32-true, "
+                                "bf16-mixed, 16-mixed, bf16-true, 16-true, 64-true"),
+    (["trainer.precision=16-mixed"], "trainer.precision=16-mixed: float16 autocast has no CPU support in Lightning; "
+                                     "use bf16-mixed or 32-true on CPU"),
 ]
+if not torch.cuda.is_available():
+    BAD_VALUES.append((["trainer.accelerator=gpu"], "trainer.accelerator=gpu: this machine has no GPU (" + (
+        "a CPU-only torch build" if torch.version.cuda is None else "no CUDA device visible") + "); rehearse this "
+        "profile on CPU with debug=rehearsal, or train on CPU with trainer=cpu"))
 
 
 @pytest.fixture(scope="module")
@@ -446,6 +459,48 @@ def test_tokenizer_too_small_for_the_text_says_raise(tmp_path):
     from bnlit.errors import TokenizerError
     from bnlit.tokenizer import MIN_VOCAB_SIZE, train_tokenizer
 
-    with pytest.raises(TokenizerError, match=rf"raise model.config.vocab_size={MIN_VOCAB_SIZE} to at least \d+ "):
+    with pytest.raises(TokenizerError, match=rf"raise tokenizer.vocab_size={MIN_VOCAB_SIZE} \(it follows "
+                                             rf"model.config.vocab_size\) to at least \d+ "):
         train_tokenizer([GOOD_TEXT, "Some English words too, with Capitals."], tmp_path / "t.model",
                         vocab_size=MIN_VOCAB_SIZE)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU profile runs where there is a GPU")
+def test_gpu_profile_on_a_cpu_machine_names_the_rehearsal(cli, tmp_path):
+    code, err = cli(tmp_path / "r", "trainer=h100")
+    assert code == 2
+    assert only_error(err).startswith("error: trainer.accelerator=gpu: this machine has no GPU (")
+    assert "debug=rehearsal" in only_error(err)
+    assert not (tmp_path / "r").exists()
+
+
+def test_more_cpu_devices_than_cores_warns_with_the_slowdown(tiny_cfg, tmp_path, monkeypatch, caplog):
+    import bnlit.threads
+    from bnlit.validate import check_hardware
+
+    monkeypatch.setattr(bnlit.threads, "available_cpus", lambda: 2)
+    with caplog.at_level("WARNING", logger="bnlit"):
+        check_hardware(with_overrides(tiny_cfg, tmp_path, "trainer.devices=4"))
+    assert [r.getMessage() for r in caplog.records] == [
+        "trainer.devices=4 on 2 CPU core(s): 4 processes time-slice the cores, so expect each step to take at least "
+        "2.0x as long as with trainer.devices=2 (the same work per process on fewer cores each), plus the switching; "
+        "fine to rehearse a 4-rank layout, slow to train"]
+    caplog.clear()
+    check_hardware(with_overrides(tiny_cfg, tmp_path, "trainer.devices=2"))
+    assert caplog.records == []
+
+
+def test_cache_dir_that_cannot_be_written(tiny_cfg, tmp_path):
+    from omegaconf import open_dict
+
+    from bnlit.errors import ConfigError
+    from bnlit.train import train
+
+    cfg = with_overrides(tiny_cfg, tmp_path)
+    with open_dict(cfg):
+        cfg.paths.cache_dir = "/proc/bnlit/cache"
+    with pytest.raises(ConfigError) as e:
+        train(cfg)
+    assert str(e.value) == ("paths.cache_dir=/proc/bnlit/cache: cannot write in /proc (the nearest existing directory on "
+                            "its path): No such file or directory; choose another paths.cache_dir")
+    assert not (tmp_path / "r").exists()
