@@ -113,7 +113,14 @@ def _node(cfg: DictConfig, key: str) -> Any:
 
 
 def _exists(cfg: DictConfig, key: str) -> bool:
-    return _node(cfg, key) is not _MISSING
+    """``key`` is in the config, also where its value is still ``???`` (``data=files`` paths)."""
+    parent, _, leaf = key.rpartition(".")
+    node = cfg if not parent else _node(cfg, parent)
+    if isinstance(node, DictConfig):
+        return leaf in node.keys()
+    if isinstance(node, ListConfig):
+        return leaf.isdigit() and int(leaf) < len(node)
+    return False
 
 
 def target_params(target: str) -> set[str] | None:

@@ -1,6 +1,10 @@
 """Sampling from a trained model: temperature, top-k and nucleus (top-p) filtering, a private
 seeded generator (the same seed gives the same text on the same machine), stop at ``eos``.
-There is no KV cache: each step re-reads the (cropped) context, which is plenty for inspection."""
+
+With ``kv_cache`` (the default) the prompt is read once and each new token attends to the cached
+keys and values (:class:`bnlit.model.KVCache`); once the text outgrows the model's context, each
+step re-reads the last ``max_len`` tokens, as generation without a cache always does, so both
+give the same tokens (``tests/test_generation.py`` checks it, greedy)."""
 
 from __future__ import annotations
 
@@ -27,19 +31,30 @@ def filter_logits(logits: torch.Tensor, top_k: int | None = None, top_p: float |
 @torch.no_grad()
 def generate(model: nn.Module, ids: list[int], max_new_tokens: int, temperature: float = 1.0,
              top_k: int | None = None, top_p: float | None = None, seed: int = 0,
-             eos_id: int | None = None, max_len: int | None = None) -> list[int]:
+             eos_id: int | None = None, max_len: int | None = None, kv_cache: bool = True) -> list[int]:
     """Continue ``ids`` by up to ``max_new_tokens`` tokens; ``temperature=0`` is greedy.
     Returns the new tokens only (without a final ``eos``)."""
-    device = next(model.parameters()).device
-    max_len = max_len or model.config.max_seq_len
+    from bnlit.model import KVCache
+
+    param = next(model.parameters())
+    max_len = min(max_len or model.config.max_seq_len, model.config.max_seq_len)
     gen = torch.Generator(device="cpu").manual_seed(seed)
     was_training = model.training
     model.eval()
     out: list[int] = []
+    cache = None
     try:
         for _ in range(max_new_tokens):
             ctx = (list(ids) + out)[-max_len:]
-            logits = model(torch.tensor(ctx, device=device)[None])[0, -1].float().cpu()
+            if kv_cache and len(ids) + len(out) <= max_len:
+                if cache is None:  # the prompt, once
+                    cache = KVCache(model.config, 1, max_len, param.device, param.dtype)
+                    step = ctx
+                else:
+                    step = ctx[-1:]
+                logits = model(torch.tensor(step, device=param.device)[None], cache=cache)[0, -1].float().cpu()
+            else:
+                logits = model(torch.tensor(ctx, device=param.device)[None])[0, -1].float().cpu()
             if temperature <= 0:
                 nxt = int(logits.argmax())
             else:

@@ -100,6 +100,28 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x * cos + rotated * sin).type_as(x)
 
 
+class KVCache:
+    """Keys and values of the tokens seen so far, per layer, for generation: each new token attends
+    to them instead of recomputing the whole context (``bnlit.generation``). Filled from position 0
+    by one prompt (any length), then one token at a time, up to ``max_len``."""
+
+    def __init__(self, cfg: "ModelConfig", batch: int, max_len: int, device: torch.device, dtype: torch.dtype):
+        shape = (cfg.n_layer, batch, cfg.n_kv_heads, max_len, cfg.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.pos = 0  # tokens cached so far (the RoPE position of the next one)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store ``k``/``v`` (B, KV, T, hd) of positions ``pos..pos+T-1``; return all keys/values so far."""
+        T = k.shape[2]
+        if T > 1 and self.pos > 0:
+            raise ValueError("KVCache: only the first call may add more than one token")
+        end = self.pos + T
+        self.k[layer, :, :, self.pos:end] = k
+        self.v[layer, :, :, self.pos:end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -110,14 +132,17 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_head * cfg.head_dim, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | BlockMask | None = None) -> torch.Tensor:
+                mask: torch.Tensor | BlockMask | None = None, cache: tuple[KVCache, int] | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         gqa = self.n_kv_heads != self.n_head
-        if isinstance(mask, BlockMask):  # document mask on CUDA (fast only when compiled)
+        if cache is not None:  # generation: the prompt from position 0 (causal), then one token (sees all)
+            k, v = cache[0].update(cache[1], k, v)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=gqa)
+        elif isinstance(mask, BlockMask):  # document mask on CUDA (fast only when compiled)
             y = flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
         else:  # mask None: causal; a (B, 1, T, T) boolean tensor: True where attention is allowed
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
@@ -144,8 +169,8 @@ class Block(nn.Module):
         self.feed_forward = FeedForward(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | BlockMask | None = None) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin, mask)
+                mask: torch.Tensor | BlockMask | None = None, cache: tuple[KVCache, int] | None = None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, mask, cache)
         x = x + self.feed_forward(self.ffn_norm(x))
         return x
 
@@ -186,22 +211,28 @@ class Transformer(nn.Module):
         self.rope_sin.copy_(sin)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
-                mask: torch.Tensor | BlockMask | None = None) -> torch.Tensor:
+                mask: torch.Tensor | BlockMask | None = None, cache: KVCache | None = None) -> torch.Tensor:
         """idx: (B, T) token ids -> logits (B, T, vocab_size), or with ``targets`` (B, T) the mean
         next-token loss, computed by ``self.loss_fn`` without necessarily materialising the logits.
         ``mask``: None for causal attention, or a document mask from
         :func:`bnlit.document_masking.document_mask`. RoPE positions run 0..T-1 over the window
-        either way: a document's attention scores depend only on distances inside it."""
+        either way: a document's attention scores depend only on distances inside it. ``cache``
+        (generation): ``idx`` continues the tokens the cache holds, at positions from ``cache.pos``."""
         T = idx.shape[1]
-        if T > self.config.max_seq_len:
-            raise ValueError(f"sequence length {T} exceeds model max_seq_len={self.config.max_seq_len}")
-        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        start = cache.pos if cache is not None else 0
+        if start + T > self.config.max_seq_len:
+            raise ValueError(f"sequence length {start + T} exceeds model max_seq_len={self.config.max_seq_len}")
+        cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]
         x = self.tok_embeddings(idx)
-        for layer in self.layers:
-            if self.activation_checkpointing and self.training:
+        for i, layer in enumerate(self.layers):
+            if cache is not None:
+                x = layer(x, cos, sin, None, (cache, i))
+            elif self.activation_checkpointing and self.training:
                 x = checkpoint(layer, x, cos, sin, mask, use_reentrant=False)
             else:
                 x = layer(x, cos, sin, mask)
+        if cache is not None:
+            cache.pos += T
         x = self.norm(x)
         if targets is None:
             return self.output(x)

@@ -11,13 +11,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
-import torch
-
-from bnlit.checkpointing import load_model
 from bnlit.errors import BnlitError, ConfigError
-from bnlit.generation import generate
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,6 +28,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="sampling seed (same seed, same text)")
     p.add_argument("-n", "--num-samples", type=int, default=1, help="continuations to sample")
     p.add_argument("--device", help="default: cuda when available")
+    p.add_argument("--threads", default="auto", help="torch threads on CPU: auto (the idle cores, as training "
+                   "chooses them) or a number; one token at a time is too little work to split on a busy machine")
+    p.add_argument("--no-kv-cache", action="store_true", help="recompute the whole context for every token "
+                   "(the reference the KV cache is tested against; slower)")
     return p
 
 
@@ -39,15 +40,29 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.max_new_tokens < 1 or not 0 < args.top_p <= 1 or args.top_k < 0 or args.temperature < 0:
             raise ConfigError("need --max-new-tokens >= 1, 0 < --top-p <= 1, --top-k >= 0 and --temperature >= 0")
+        import torch  # after the arguments: --help answers without it
+
+        from bnlit.checkpointing import load_model
+        from bnlit.generation import generate
+        from bnlit.threads import set_threads
+
+        set_threads(args.threads if args.threads == "auto" else int(args.threads))
+
         model, tok, _ = load_model(args.checkpoint)
         model.to(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         ids = [tok.eos_id] + tok.encode(args.prompt)
         for i in range(args.num_samples):
+            start = time.perf_counter()
             new = generate(model, ids, args.max_new_tokens, args.temperature, args.top_k or None, args.top_p,
-                           seed=args.seed + i, eos_id=tok.eos_id)
+                           seed=args.seed + i, eos_id=tok.eos_id, kv_cache=not args.no_kv_cache)
+            seconds = time.perf_counter() - start
             if args.num_samples > 1:
                 print(f"--- sample {i} (seed {args.seed + i})")
             print(tok.decode(ids[1:] + new))
+            print(f"{len(new)} tokens in {seconds:.2f} s ({len(new) / seconds:,.0f} tokens/s, "
+                  f"{'no ' if args.no_kv_cache else ''}KV cache, {next(model.parameters()).device}, "
+                  f"{torch.get_num_threads()} threads)",
+                  file=sys.stderr, flush=True)
     except BnlitError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code

@@ -56,6 +56,7 @@ def test_unknown_key_is_refused_with_the_closest_known_key(tmp_path, override, c
     ["+callbacks.multiple_choice.tasks.belebele_bn=/data/belebele/ben_Beng.jsonl"],  # documented free-form
     ["~callbacks.progress_bar", "trainer.max_steps=4", "optimizer.lr=1e-3,3e-3"],
     ["model=tiny,25m", "hparams_search=optuna"],
+    ["data=files", "data.sources.0.path=bn.txt", "data.sources.1.path=en.jsonl"],  # keys whose value is ???
 ])
 def test_known_keys_and_free_form_fields_pass(tmp_path, overrides):
     check(tmp_path, *overrides)
