@@ -70,7 +70,10 @@ def check_command_line(argv: Sequence[str], config_dir: str | os.PathLike, confi
                     groups.append(o.input_line)
             else:
                 values.append(o)
-        cfg = compose(args.config_name or config_name, overrides=groups, return_hydra_config=True)
+        try:
+            cfg = compose(args.config_name or config_name, overrides=groups, return_hydra_config=True)
+        except Exception as e:  # noqa: BLE001  (Hydra's composition errors have no common base class)
+            raise composition_error(e) from None
     check_overrides(cfg, values)
     mode = OmegaConf.select(cfg, "hydra.mode", default=None)  # hparams_search=optuna sets MULTIRUN
     multirun = args.multirun or getattr(mode, "name", str(mode)) == "MULTIRUN"
@@ -87,6 +90,34 @@ def check_command_line(argv: Sequence[str], config_dir: str | os.PathLike, confi
     from bnlit.run_dir import note_existing
 
     note_existing(out)
+
+
+# Hydra plugins the quick-start install leaves out: config group -> (module, what it is, the extra)
+PLUGINS = {
+    "hydra/sweeper/optuna": ("hydra_plugins.hydra_optuna_sweeper", "Hydra's Optuna sweeper", "sweeps"),
+    "hydra/launcher/submitit": ("hydra_plugins.hydra_submitit_launcher", "Hydra's submitit launcher", "sweeps"),
+}
+
+
+def composition_error(e: Exception) -> ConfigError:
+    """One line for a config Hydra cannot compose: the extra to install when a plugin is missing,
+    else the first line of Hydra's message."""
+    text = str(e)
+    for group, (module, what, extra) in PLUGINS.items():
+        if group in text and not _importable(module):
+            return ConfigError(f"this command needs {what} ({group}), which is not installed; "
+                               f"pip install -e '.[{extra}]'")
+    first = next((line.strip() for line in text.splitlines() if line.strip()), type(e).__name__)
+    return ConfigError(f"{first} (HYDRA_FULL_ERROR=1 shows Hydra's whole message)")
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
 
 
 def _group_line(o: Any, options: list[str]) -> str:

@@ -172,6 +172,7 @@ def export_hf(model: Transformer, tokenizer: Tokenizer, out_dir: str | os.PathLi
         for name, payload in files.items():
             (tmp / name).write_text(json.dumps(payload, indent=2, ensure_ascii=False) + "\n")
         tokenizer.save(tmp / "tokenizer.model")
+        umask_modes(tmp)
         if out_dir.exists():  # overwrite: move the old export aside, then drop it
             old = out_dir.with_name(f".{out_dir.name}.old{os.getpid()}")
             os.replace(out_dir, old)
@@ -183,6 +184,17 @@ def export_hf(model: Transformer, tokenizer: Tokenizer, out_dir: str | os.PathLi
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def umask_modes(directory: Path) -> None:
+    """Give ``directory`` and its files the modes a plain ``mkdir``/``open`` would (0777/0666 less
+    the umask): ``mkdtemp`` makes 0700 and safetensors writes 0600, which another user or a serving
+    container could not read."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for p in directory.iterdir():
+        os.chmod(p, 0o666 & ~umask)
+    os.chmod(directory, 0o777 & ~umask)
 
 
 # -- GGUF (llama.cpp) ---------------------------------------------------------------------------

@@ -26,17 +26,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from bnlit.data import embedded
-from bnlit.data.pipeline import CleanConfig, clean_sources
-from bnlit.data.shards import build_shards
-from bnlit.data.sources import Source, iter_documents
-from bnlit.tokenizer import Tokenizer, train_tokenizer
-
 H100_TOKENS_PER_S = 150_000
 CORES = 8
 
 
 def load_corpus(args) -> list[tuple[str, str, list[str]]]:
+    from bnlit.data import embedded
+    from bnlit.data.sources import Source, iter_documents
+
     if not args.text:
         return [("bn", "bn", embedded.bangla_documents()), ("en", "en", embedded.english_documents())]
     langs = args.lang or ["bn"] * len(args.text)
@@ -60,6 +57,10 @@ def main(argv=None) -> dict:
     p.add_argument("--vocab-size", type=int, default=8192, help="size of the tokenizer trained (untimed) for the shard build")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = p.parse_args(argv)
+    from bnlit.data.pipeline import CleanConfig, clean_sources  # after the arguments: --help answers without torch
+    from bnlit.data.shards import build_shards
+    from bnlit.tokenizer import Tokenizer, train_tokenizer
+
     corpus = load_corpus(args)
     size = mb(corpus)
     work = Path(tempfile.mkdtemp(prefix="bnlit_bench_data_"))

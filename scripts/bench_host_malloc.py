@@ -17,15 +17,6 @@ import resource
 import statistics
 import time
 
-import torch
-from hydra import compose, initialize_config_dir
-from hydra.utils import instantiate
-
-import bnlit.resolvers  # noqa: F401
-from bnlit import CONF_DIR
-from bnlit.host_malloc import KEEP_BYTES, M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
-from bnlit.module import next_token_loss, param_groups
-
 GLIBC_DEFAULT = 128 * 1024  # the documented initial mmap and trim thresholds
 
 
@@ -41,6 +32,15 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    import torch  # after the arguments: --help answers without it
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    import bnlit.resolvers  # noqa: F401
+    from bnlit import CONF_DIR
+    from bnlit.host_malloc import KEEP_BYTES, M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
+    from bnlit.module import next_token_loss, param_groups
+
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
 
     def thresholds(raised: bool) -> None:

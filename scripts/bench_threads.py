@@ -16,14 +16,6 @@ import os
 import statistics
 import time
 
-import torch
-from hydra import compose, initialize_config_dir
-from hydra.utils import instantiate
-
-import bnlit.resolvers  # noqa: F401
-from bnlit import CONF_DIR
-from bnlit.module import next_token_loss, param_groups
-
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -42,6 +34,14 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    import torch  # after the arguments: --help answers without it
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    import bnlit.resolvers  # noqa: F401
+    from bnlit import CONF_DIR
+    from bnlit.module import next_token_loss, param_groups
+
     counts = [os.cpu_count() or 1 if t == "all" else int(t) for t in args.threads.split(",")]
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("train", overrides=[f"model={args.model}"])

@@ -14,9 +14,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from bnlit.checkpointing import load_model
 from bnlit.errors import BnlitError
-from bnlit.export import GGUF_TYPES, export_gguf
+
+GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")  # bnlit.export.GGUF_TYPES (tests/test_scripts_help.py checks they agree)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,6 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--type", choices=GGUF_TYPES, default="f32", help="type of the weight matrices")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     args = p.parse_args(argv)
+    from bnlit.checkpointing import load_model  # after the arguments: --help answers without torch
+    from bnlit.export import export_gguf
+
     try:
         model, tok, ckpt = load_model(args.checkpoint)
         out = export_gguf(model, tok, args.out, type=args.type, overwrite=args.overwrite)

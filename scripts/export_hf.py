@@ -15,25 +15,26 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-
-from bnlit.checkpointing import load_model
 from bnlit.errors import BnlitError
-from bnlit.export import export_hf
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("bfloat16", "float16", "float32")  # torch dtypes by name
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--checkpoint", required=True, type=Path, help="a bnlit training checkpoint (last.ckpt or step*.ckpt)")
     p.add_argument("--out", required=True, type=Path, help="directory to write the Hugging Face model into")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="dtype of the saved weights")
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="dtype of the saved weights")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out directory")
     args = p.parse_args(argv)
+    import torch  # after the arguments: --help answers without it
+
+    from bnlit.checkpointing import load_model
+    from bnlit.export import export_hf
+
     try:
         model, tok, ckpt = load_model(args.checkpoint)
-        out = export_hf(model, tok, args.out, dtype=DTYPES[args.dtype], overwrite=args.overwrite)
+        out = export_hf(model, tok, args.out, dtype=getattr(torch, args.dtype), overwrite=args.overwrite)
     except BnlitError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code

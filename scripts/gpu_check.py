@@ -33,8 +33,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bnlit.run_report import read_metrics  # noqa: E402
-
 
 def train_command(run_dir: Path, preset: str, profile: str, steps: int, accumulate: int, extra: list[str]) -> list[str]:
     return [sys.executable, "-m", "bnlit.train", f"model={preset}", f"trainer={profile}", "logger=csv",
@@ -73,6 +71,8 @@ def last(series: dict, key: str) -> float | None:
 
 def read_run(run_dir: Path) -> dict:
     """tokens/s, MFU, peak memory, the parity verdict and the fast-path line of a finished run."""
+    from bnlit.run_report import read_metrics  # here, not at the top: --help answers without torch
+
     csv_path = run_dir / "csv" / "metrics.csv"
     series = read_metrics(csv_path) if csv_path.is_file() else {}
     log = (run_dir / "train.log").read_text() if (run_dir / "train.log").is_file() else ""

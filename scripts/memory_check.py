@@ -20,20 +20,20 @@ import argparse
 import json
 import sys
 
-import torch
-from hydra import compose, initialize_config_dir
-from hydra.utils import instantiate
-from torch.distributed._tools.mem_tracker import MemTracker
+from typing import TYPE_CHECKING
 
-import bnlit.resolvers  # noqa: F401
-from bnlit import CONF_DIR
-from bnlit.flops import training_memory_bytes
-from bnlit.module import next_token_loss, param_groups
+if TYPE_CHECKING:
+    import torch
 
 MIB = 1 << 20
 
 
 def compose_cfg(preset: str, seq_len: int, batch_size: int, extra: list[str] | None = None):
+    from hydra import compose, initialize_config_dir
+
+    import bnlit.resolvers  # noqa: F401
+    from bnlit import CONF_DIR
+
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose("train", overrides=[f"model={preset}", f"data.seq_len={seq_len}",
                                            f"data.batch_size={batch_size}", *(extra or [])])
@@ -41,6 +41,11 @@ def compose_cfg(preset: str, seq_len: int, batch_size: int, extra: list[str] | N
 
 def measure_step_peak(model: torch.nn.Module, seq_len: int, batch_size: int, precision: str) -> dict[str, int]:
     """Peak live tensor bytes per category over the second of two training steps on CPU."""
+    import torch
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from bnlit.module import next_token_loss, param_groups
+
     opt = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-4, fused=True)
     g = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
@@ -65,6 +70,11 @@ def measure_step_peak(model: torch.nn.Module, seq_len: int, batch_size: int, pre
 
 
 def check(preset: str, precision: str, seq_len: int, batch_size: int) -> dict:
+    import torch
+    from hydra.utils import instantiate
+
+    from bnlit.flops import training_memory_bytes
+
     cfg = compose_cfg(preset, seq_len, batch_size)
     model_cfg = instantiate(cfg.model.config)
     estimate = training_memory_bytes(model_cfg, seq_len, batch_size, cfg.model.activation_checkpointing)
@@ -93,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=256, help="tokens per window (data.seq_len)")
     p.add_argument("--batch-size", type=int, default=4, help="windows per step (data.batch_size)")
     args = p.parse_args(argv)
+    import torch  # after the arguments: --help answers without it
+
     torch.set_num_threads(max(1, min(4, torch.get_num_threads())))
     for preset in args.presets:
         for precision in args.precisions:

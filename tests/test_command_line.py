@@ -135,3 +135,17 @@ def test_read_only_output_dir_as_another_user():
     assert out.stderr.strip() == (f"error: hydra.run.dir={ro}/run: cannot write in {ro} (the nearest existing directory "
                                   "on its path): Permission denied; choose another hydra.run.dir (or paths.log_dir for "
                                   "the default run dirs)")
+
+
+def test_a_missing_hydra_plugin_names_the_extra(monkeypatch):
+    """``hparams_search=optuna`` after the quick-start install (no sweeps extra): Hydra cannot find
+    hydra/sweeper/optuna; the line says what to install (.ci/quickstart runs it for real)."""
+    import bnlit.command_line as command_line
+
+    monkeypatch.setattr(command_line, "_importable", lambda module: False)
+    error = command_line.composition_error(Exception("In 'hparams_search/optuna': Could not load 'hydra/sweeper/optuna'."
+                                                     "\n\nAvailable options in 'hydra/sweeper':\n\tbasic"))
+    assert str(error) == ("this command needs Hydra's Optuna sweeper (hydra/sweeper/optuna), which is not installed; "
+                          "pip install -e '.[sweeps]'")
+    other = command_line.composition_error(Exception("Interpolation key 'x' not found\n    full_key: y"))
+    assert str(other) == "Interpolation key 'x' not found (HYDRA_FULL_ERROR=1 shows Hydra's whole message)"

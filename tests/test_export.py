@@ -120,6 +120,25 @@ def test_export_is_atomic_and_refuses_to_overwrite(tokenizer, tmp_path, monkeypa
     assert (out / "model.safetensors").is_file()  # the old export survives a failed overwrite
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_export_modes_follow_the_umask(tokenizer, tmp_path, umask):
+    """Not mkdtemp's 0700 and safetensors' 0600: with umask 022 another user (a serving container)
+    can read the export; with 077 only its owner."""
+    import os
+    import stat
+
+    model = Transformer(ModelConfig(vocab_size=512, dim=32, n_layer=1, n_head=2, multiple_of=32, max_seq_len=32))
+    old = os.umask(umask)
+    try:
+        out = export_hf(model, tokenizer, tmp_path / "hf")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~umask
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()} == {
+        p.name: 0o666 & ~umask for p in out.iterdir()}
+    assert "model.safetensors" in {p.name for p in out.iterdir()}
+
+
 def test_every_parameter_has_a_hugging_face_name():
     model = Transformer(ModelConfig(vocab_size=64, dim=32, n_layer=3, n_head=2, multiple_of=32, max_seq_len=16))
     names = {hf_name(n) for n in model.state_dict()}
