@@ -26,7 +26,7 @@ from bnlit.command_line import check_command_line
 from bnlit.checkpointing import Interrupted, prepare_resume, remove_partial_writes
 from bnlit.errors import BnlitError, ConfigError
 from bnlit.host_malloc import KEEP_BYTES, keep_freed_memory
-from bnlit import run_dir
+from bnlit import quiet, run_dir
 from bnlit.run_report import finish_wandb_run, print_report, redact, run_tags, sweep_job, write_summary
 from bnlit.threads import load_average, set_threads
 from bnlit.validate import instantiate_checked, validate_config
@@ -48,6 +48,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     """Fit the configured model; return the final ``trainer.callback_metrics`` as floats. The run
     dir's record (``.hydra/``, ``train.log``) is written once the checks pass; the job's W&B run is
     finished when it ends, so the next job of a sweep in this process starts its own."""
+    quiet.install()  # third-party messages that tell the user nothing (bnlit/quiet.py says why, each)
     run_dir.hold_log()
     try:
         metrics = fit(cfg)

@@ -5,6 +5,7 @@ plots are written for users without W&B."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -37,6 +38,17 @@ def test_offline_run_never_writes_the_api_key(tmp_path, cache_dir):
                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert FAKE_KEY not in out.stdout + out.stderr
+    # a quiet first screen: none of the third-party messages bnlit/quiet.py filters, no W&B deprecation
+    # of a setting nobody set, and every line of the run printed once
+    from bnlit.quiet import FILTERS
+
+    console = out.stdout + out.stderr
+    for pattern, *_ in FILTERS:
+        assert not re.search(pattern, console, re.M), pattern
+    assert "anonymous setting" not in console
+    lines = [re.sub(r"^\[[^]]*\]", "", line) for line in console.splitlines() if line.strip()]
+    lines = [line for line in lines if not line.startswith("wandb:")]
+    assert [line for line in set(lines) if lines.count(line) > 1] == []
     offline = list((run / "wandb").glob("offline-run-*"))
     assert len(offline) == 1
     leaked = [p for p in run.rglob("*") if p.is_file() and FAKE_KEY.encode() in p.read_bytes()]

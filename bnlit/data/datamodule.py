@@ -142,6 +142,7 @@ class BnDataModule(L.LightningDataModule):
         self.clean_stats: dict | None = None
         self.report: dict | None = None
         self._report_logged = False
+        self._logged_mixture: dict | None = None
 
     # ---- building -------------------------------------------------------------------------
     def _resolve(self) -> list[tuple[Source, Path | None]]:
@@ -334,6 +335,9 @@ class BnDataModule(L.LightningDataModule):
             "tokens": by_language(tokens, langs),
             "chars": by_language(chars, langs),
         }
+        if self.mixture == self._logged_mixture:  # setup runs for validate and again for fit: say it once
+            return
+        self._logged_mixture = self.mixture
         for lang, want in self.mixture["intended"].items():
             log.info("mixture %s: intended %.1f%% of %s; delivers %.1f%% of tokens, %.1f%% of characters",
                      lang, 100 * want, self.weight_unit, 100 * self.mixture["tokens"][lang], 100 * self.mixture["chars"][lang])
