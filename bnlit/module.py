@@ -16,11 +16,12 @@ import torch.nn as nn
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 
-from bnlit import document_masking, sdpa
+from bnlit import document_masking
+from bnlit.speed import sdpa
 from bnlit.errors import BnlitError
-from bnlit.fast_path import describe_fast_path
+from bnlit.speed.fast_path import describe_fast_path
 from bnlit.loss import loss_fn, logits_loss
-from bnlit.run_report import log_metrics
+from bnlit.loggers import log_metrics
 from bnlit.tokenizer import EOS_ID
 
 log = logging.getLogger("bnlit")
@@ -67,7 +68,7 @@ class LMModule(L.LightningModule):
     compile: ``torch.compile`` the model's forward, loss included (parameter names are kept); under
         FSDP2 each block is compiled before it is sharded (:func:`shard`).
     fullgraph: require a single graph when compiling.
-    sdpa_backend: CUDA attention kernels (``bnlit.sdpa``): ``auto`` lets PyTorch pick; ignored on CPU.
+    sdpa_backend: CUDA attention kernels (``bnlit.speed.sdpa``): ``auto`` lets PyTorch pick; ignored on CPU.
     loss_impl: the output head's loss (``bnlit.loss``): ``plain``, ``chunked`` or ``fused`` (torch's
         ``F.linear_cross_entropy``, fp32 precision only).
     document_masking: attend only within a document of a packed window (``bnlit.document_masking``).
@@ -87,7 +88,7 @@ class LMModule(L.LightningModule):
         super().__init__()
         sdpa.validate(sdpa_backend)
         # refused here, before the data module builds anything: a bad name, fused on a torch without it
-        # (fused at a precision where it is wrong: bnlit.validate, and configure_model below)
+        # (fused at a precision where it is wrong: bnlit.preflight, and configure_model below)
         loss_fn(loss_impl, "cuda" if torch.cuda.is_available() else "cpu")
         self.model = model
         self.optimizer_factory = optimizer

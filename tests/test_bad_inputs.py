@@ -188,7 +188,7 @@ def test_unknown_guard_policy(cli, tmp_path):
     assert only_error(err) == "error: callbacks.nan_guard.policy='ignore': use one of ['halt', 'skip']"
 
 
-# ---- validation before any expensive work (bnlit/validate.py) ---------------------------------
+# ---- validation before any expensive work (bnlit/preflight.py) ---------------------------------
 # (overrides, the exact error line): each must come within seconds, before the corpus is cleaned,
 # the tokenizer trained or a shard built, and leave the (private) cache empty
 BAD_VALUES = [
@@ -356,7 +356,7 @@ def bad_files(d: Path) -> list[tuple[str, Path, str]]:
 
 def test_bad_data_files_are_refused_with_the_line_and_the_fix(tmp_path):
     from bnlit.errors import DataError
-    from bnlit.validate import check_data_file
+    from bnlit.preflight import check_data_file
 
     for case, path, message in bad_files(tmp_path):
         with pytest.raises(DataError) as e:
@@ -395,7 +395,7 @@ def test_non_string_text_while_reading_is_an_error_not_a_skip(tmp_path):
 def test_missing_text_field_and_unreadable_file(tmp_path, monkeypatch):
     import os
 
-    import bnlit.validate as validate
+    import bnlit.preflight as validate
     from bnlit.errors import DataError
 
     body = write(tmp_path / "body.jsonl", '{"body": "x"}\n')

@@ -1,4 +1,4 @@
-"""Freed host tensors are reused, not faulted in again every step (bnlit/host_malloc.py).
+"""Freed host tensors are reused, not faulted in again every step (bnlit/speed/host_malloc.py).
 
 Measured in a fresh interpreter, as a training run calls it at start: inside the pytest process the
 heap's state depends on every test that ran before (a mapping above the program break makes glibc
@@ -16,7 +16,7 @@ import pytest
 PROBE = r"""
 import json, resource, sys
 import torch
-from bnlit.host_malloc import keep_freed_memory
+from bnlit.speed.host_malloc import keep_freed_memory
 
 def faults(nbytes, times):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
