@@ -160,7 +160,7 @@ class LMModule(L.LightningModule):
         """The training loss of one ``(x, y)`` batch, nothing logged: the model's own loss (in
         the compiled graph when compiled) with this run's document mask and ``loss_impl``.
         ``training_step`` and the gradient-flow arbiter's fast-path parity probe both call it, so
-        the probe checks the loss that trains (README, "Gradient flow (the arbiter)"). ``model``
+        the probe checks the loss that trains (docs/gradient-flow.md). ``model``
         (default ``self.model``) runs the same loss on another copy of the weights."""
         x, y = batch
         return (model or self.model)(x, y, mask=self.attention_mask(x))
