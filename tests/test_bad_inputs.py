@@ -11,6 +11,7 @@ import shutil
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -116,6 +117,28 @@ def test_shard_that_does_not_match_its_index(cli, good_run, cache_dir, tmp_path,
     named = line.split("error: shard ", 1)[1].split(" does not match its index (", 1)[0]
     assert Path(named) in damaged and "; delete " in line and line.endswith(" to rebuild")
     assert last.read_bytes() == before
+
+
+def test_shard_whose_bytes_changed_is_refused_before_training(cli, good_run, cache_dir, tmp_path):
+    """Same size, other tokens (all inside the vocabulary, so nothing downstream would notice):
+    the block checksums in the index catch it when the data module opens the shards."""
+    cache = tmp_path / "cache"
+    shutil.copytree(cache_dir, cache)
+    damaged = sorted(cache.glob("shards/*/bn_books.train.bin"))
+    for shard in damaged:
+        tokens = np.fromfile(shard, dtype=np.uint16)
+        mid = len(tokens) // 2
+        tokens[mid:mid + 32] = tokens[mid:mid + 32][::-1].copy() + 1  # ids stay below the vocabulary size
+        assert tokens.max() < 1024
+        tokens.tofile(shard)
+    code, err = cli(tmp_path / "second", "trainer.max_steps=1", f"paths.cache_dir={cache}")
+    assert code == 2
+    line = only_error(err)
+    named = line.split("error: shard ", 1)[1].split(" is corrupt: block 0 (bytes 0-", 1)[0]
+    assert Path(named) in damaged, line
+    assert f"; delete {Path(named).parent} and rerun to rebuild it" in line
+    assert not (tmp_path / "second" / "checkpoints").exists()  # refused before training
+    assert not (tmp_path / "second" / "csv").exists() or not list((tmp_path / "second" / "csv").glob("*.csv"))
 
 
 def test_hub_dataset_without_network_through_a_run(cli, tmp_path, monkeypatch):

@@ -39,7 +39,7 @@ def _probe(mode: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallopt")
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="machine: not Linux (glibc mallopt)")
 def test_large_freed_tensors_are_reused_without_page_faults():
     kept, default = _probe("keep"), _probe("default")
     assert kept["applied"]

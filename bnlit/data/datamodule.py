@@ -1,7 +1,8 @@
 """The LightningDataModule: sources -> tokenizer (trained or reused) -> packed shards -> windows.
 
 ``prepare_data`` (one process per node) materialises the embedded corpus, trains or loads the
-tokenizer and builds the shards; ``setup`` (every process) opens them read-only. Everything built
+tokenizer, builds the shards and checks them against their index's checksums; ``setup`` (every
+process) opens them read-only. Everything built
 is cached under ``cache_dir`` by a hash of its inputs, so a second run starts at once and a
 changed source or tokenizer rebuilds."""
 
@@ -236,7 +237,8 @@ class BnDataModule(L.LightningDataModule):
                 num_proc=self.num_proc,
                 total_chars=total_chars,
             )
-        self.index = load_index(self.shard_dir)
+        # every block against the index's checksum, once per node (local rank zero), before training
+        self.index = load_index(self.shard_dir, verify=self.trainer is None or self.trainer.local_rank == 0)
         tokens = {split: sum(e[split]["tokens"] for e in self.index["sources"].values()) for split in ("train", "val")}
         progress_bars.stage_summary("shards", f"{progress_bars.human(tokens['train'])} training and "
                                     f"{progress_bars.human(tokens['val'])} validation tokens in {self.shard_dir}",
