@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from bnlit.data import shards
-from bnlit.threads import load_average
+from bnlit.speed.threads import load_average
 
 WRITE_BYTES = 64 << 20
 
