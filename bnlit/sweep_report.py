@@ -41,7 +41,7 @@ def _last(csv_path: Path, key: str) -> float | None:
 
 def job_row(job: Path, sweep_dir: Path, given: list[str]) -> dict[str, Any]:
     """One job's line of the table (values ``None`` where the job did not log them)."""
-    from bnlit.run_report import sweep_overrides
+    from bnlit.loggers import sweep_overrides
 
     overrides = yaml.safe_load((job / ".hydra" / "overrides.yaml").read_text()) or []
     row: dict[str, Any] = {"job": str(job.relative_to(sweep_dir)), "overrides": sweep_overrides(overrides, given),
@@ -112,7 +112,7 @@ def to_markdown(table: dict[str, Any]) -> str:
 
 def write_sweep_summary(sweep_dir: str | Path) -> str:
     """Write ``sweep_summary.md`` and ``.json`` into ``sweep_dir``; return the markdown."""
-    from bnlit.run_report import write_json_atomic
+    from bnlit.loggers import write_json_atomic
 
     sweep_dir = Path(sweep_dir)
     table = sweep_table(sweep_dir)
@@ -125,7 +125,7 @@ def write_sweep_summary(sweep_dir: str | Path) -> str:
 class SweepReport(Callback):
     """Hydra callback: the sweep's table when a multirun ends. It also keeps the multirun's command
     line in ``multirun.yaml`` where the launcher does not write it (submitit), so each job can tell
-    its own overrides from the common ones (its W&B run name, :func:`bnlit.run_report.sweep_job`)."""
+    its own overrides from the common ones (its W&B run name, :func:`bnlit.loggers.sweep_job`)."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(str(config.hydra.sweep.dir))

@@ -22,14 +22,16 @@ from omegaconf import DictConfig, OmegaConf
 
 import bnlit.resolvers  # noqa: F401  (registers ${bnlit.*} resolvers)
 from bnlit import CONF_DIR
-from bnlit.command_line import check_command_line
-from bnlit.checkpointing import Interrupted, prepare_resume, remove_partial_writes
-from bnlit.errors import BnlitError, ConfigError
-from bnlit.host_malloc import KEEP_BYTES, keep_freed_memory
 from bnlit import quiet, run_dir
-from bnlit.run_report import finish_wandb_run, print_report, redact, run_tags, sweep_job, write_summary
-from bnlit.threads import load_average, set_threads
-from bnlit.validate import instantiate_checked, validate_config
+from bnlit.checkpointing import prepare_resume, remove_partial_writes
+from bnlit.command_line import check_command_line
+from bnlit.errors import BnlitError, ConfigError
+from bnlit.interrupt import Interrupted
+from bnlit.loggers import finish_wandb_run, redact, run_tags, sweep_job
+from bnlit.preflight import check_config, instantiate_checked
+from bnlit.run_report import print_report, write_summary
+from bnlit.speed.host_malloc import KEEP_BYTES, keep_freed_memory
+from bnlit.speed.threads import load_average, set_threads
 
 log = logging.getLogger("bnlit")
 
@@ -63,7 +65,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
 
 def fit(cfg: DictConfig) -> dict[str, float]:
     start = time.perf_counter()
-    validate_config(cfg)  # seconds, before anything is built or written
+    check_config(cfg)  # seconds, before anything is built or written
     threads = set_threads(cfg.get("threads", "auto"))
     if cfg.get("keep_freed_memory") and str(cfg.trainer.get("accelerator")) == "cpu" and keep_freed_memory():
         log.info("host memory: freed tensors kept for reuse (glibc mmap/trim thresholds %d MiB)", KEEP_BYTES >> 20)

@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
 
         from bnlit.checkpointing import load_model
         from bnlit.generation import generate
-        from bnlit.threads import set_threads
+        from bnlit.speed.threads import set_threads
 
         set_threads(args.threads if args.threads == "auto" else int(args.threads))
 

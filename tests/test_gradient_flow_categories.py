@@ -33,8 +33,8 @@ from test_gradient_flow import (
 )
 
 from bnlit import CONF_DIR
-from bnlit.flops import parity_probe_memory_bytes
-from bnlit.gradient_flow import (
+from bnlit.speed.flops import parity_probe_memory_bytes
+from bnlit.checks.gradient_flow import (
     GradientSentinel,
     eager_fp32,
     embedding_row_exempt,

@@ -26,7 +26,7 @@ or non-finite only after an exact re-check -- the fp32 L2 norm underflows to 0 f
 
 **The callback** (``bnlit.callbacks.gradient_flow``). ``GradientFlowArbiter``: turn a parameter that silently stops learning into a named error.
 
-A thin adapter over :mod:`bnlit.gradient_flow` (the checks, their settings and the report). At fit
+A thin adapter over :mod:`bnlit.checks.gradient_flow` (the checks, their settings and the report). At fit
 start it checks optimizer membership. Every optimizer step (``on_before_optimizer_step``: after the
 last micro-batch, after AMP unscaling, before clipping) the sentinel takes one fused norm pass,
 read every step on CPU and on logging steps on CUDA (the only host sync). At the first step, every
@@ -924,7 +924,7 @@ class ArbiterSettings:
     probe_samples: the probe uses the first this many sequences of the step's last micro-batch.
     probe_seq_len: and the first this many positions of each (dim 1 of 2+-dim tensors; None:
         all). The eager fp32 reference with math attention is quadratic in it: the bound is
-        ``bnlit.flops.parity_probe_memory_bytes`` (printed by ``python -m bnlit.info``).
+        ``bnlit.speed.flops.parity_probe_memory_bytes`` (printed by ``python -m bnlit.info``).
     log_param_norms: log ``grad/<parameter>`` norms on check steps (``grad/norm`` is logged on
         every logging step either way).
     sentinel: run the every-step sentinel (missing, non-finite, zero and vanishing gradients,
