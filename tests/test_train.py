@@ -88,8 +88,9 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, cache_dir):
 
 def test_cli_unknown_preset_names_the_group(tmp_path):
     out = run_cli("model=7b", cwd=tmp_path)
-    assert out.returncode != 0
-    assert "Could not find 'model/7b'" in out.stderr
+    assert out.returncode == 2
+    assert out.stderr == "error: model=7b: model has no option '7b'; options: 125m, 1b, 25m, 400m, tiny\n"
+    assert list(tmp_path.iterdir()) == []  # refused before Hydra made a run dir
 
 
 def test_cli_missing_data_file(tmp_path, cache_dir):
