@@ -200,7 +200,7 @@ def test_disk_full_while_writing_a_checkpoint(cli, tmp_path, monkeypatch):
 
 
 def test_nan_halt_is_one_line_and_exit_3(cli, tmp_path):
-    code, err = cli(tmp_path / "r", "+callbacks.poison._target_=test_nan_guard.Poison", "+callbacks.poison.batch_idx=1")
+    code, err = cli(tmp_path / "r", "+callbacks.poison._target_=helpers_faults.Poison", "+callbacks.poison.batch_idx=1")
     assert code == 3
     assert only_error(err).startswith("error: non-finite loss (nan) at step 1, batch index 1 (epoch 0)")
 
