@@ -30,7 +30,7 @@ BN_PROMPT = "আমার সোনার বাংলা"
 SMALL = ["model.config.vocab_size=1024", "+data.sources.0.max_docs=20", "+data.sources.1.max_docs=40",
          "data.val_fraction=0.2", "data.seq_len=64", "data.batch_size=4", "trainer.max_steps=2",
          "trainer.val_check_interval=2", "trainer.limit_val_batches=2", "callbacks.fertility.floors.bn=1.5",
-         "threads=1", "trainer.enable_progress_bar=false"]
+         "threads=1"]
 TRAIN = ["python", "-m", "bnlit.train"]
 SWEEPS_EXTRA = r"pip install -e '\.\[sweeps\]'"
 
