@@ -29,14 +29,16 @@ import argparse
 import json
 import math
 import sys
+import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from bnlit.checkpointing import datamodule_state, load_model
 from bnlit.errors import BnlitError, ConfigError
-from bnlit.evaluation.heldout import EvalResult, evaluate_stream, read_documents, token_stream, twin_model
-from bnlit.evaluation.ngram import BASELINES, count_shards, load_baselines
+
+if TYPE_CHECKING:  # imported where used: --help answers without torch
+    from bnlit.evaluation.heldout import EvalResult
+
+BASELINES = ("unigram", "bigram")  # bnlit.evaluation.ngram.BASELINES (tests/test_scripts_help.py checks they agree)
 
 RESERVED = ("vocab_size", "ln_vocab", "checkpoint", "step", "seq_len", "multiple_choice", "run_dir", "baselines")
 FIELDS = ("nll_per_token", "perplexity", "bits_per_char", "bits_per_byte")
@@ -69,6 +71,8 @@ def find_run_dir(checkpoint: Path, run_dir: Path | None) -> Path | None:
 
 def run_baselines(run_dir: Path | None, languages: list[str], eos_id: int, vocab_size: int) -> tuple[dict, str]:
     """The run's n-gram counts for ``languages``, and where they came from."""
+    from bnlit.evaluation.ngram import count_shards, load_baselines
+
     if run_dir is None:
         return {}, "unknown training data (no run directory; pass --run-dir)"
     counts = load_baselines(run_dir, languages)
@@ -104,6 +108,8 @@ def contamination(texts: list[str], run_dir: Path | None, name: str) -> dict:
 
 
 def score(model, stream, seq_len: int, batch_size: int, device, chars: int, nbytes: int) -> EvalResult:
+    from bnlit.evaluation.heldout import EvalResult, evaluate_stream
+
     nll, tokens = evaluate_stream(model, stream, seq_len, batch_size, device)
     return EvalResult(nll, tokens, chars, nbytes)
 
@@ -113,6 +119,8 @@ GGUF_FILE_TYPES = {0: "f32", 1: "f16", 7: "q8_0", 32: "bf16"}  # general.file_ty
 
 def score_gguf(lm, docs: list[str], seq_len: int, batch_size: int, bnlit_stream, trained: EvalResult) -> dict:
     """One language's row for a GGUF file: llama.cpp's tokens and logits, bnlit's windows."""
+    from bnlit.evaluation.heldout import EvalResult, evaluate_stream, token_stream
+
     stream = token_stream(lm.encode_batch(docs), lm.eos_id)
     nll, tokens = evaluate_stream(lm, stream, seq_len, batch_size, device="cpu")
     r = EvalResult(nll, tokens, trained.chars, trained.bytes)
@@ -122,7 +130,21 @@ def score_gguf(lm, docs: list[str], seq_len: int, batch_size: int, bnlit_stream,
             "bits_per_char_vs_trained": r.bits_per_char / trained.bits_per_char - 1}
 
 
+STARTED = time.perf_counter()
+
+
+def stage(message: str) -> None:
+    """A progress line on stderr (stdout stays the report or the JSON), with the seconds so far."""
+    print(f"evaluate: {message} ({time.perf_counter() - STARTED:.0f} s)", file=sys.stderr, flush=True)
+
+
 def evaluate(args: argparse.Namespace) -> dict:
+    import torch
+
+    from bnlit.checkpointing import datamodule_state, load_model
+    from bnlit.evaluation.heldout import read_documents, token_stream, twin_model
+
+    stage("reading the texts")
     texts = parse_text(args.text or [])
     if not texts and not args.multiple_choice and not args.held_out:
         raise ConfigError("nothing to evaluate: pass --text LANG=FILE, --held-out LANG and/or --multiple-choice FILE")
@@ -134,6 +156,7 @@ def evaluate(args: argparse.Namespace) -> dict:
         if lang in docs or run_dir is None:
             raise ConfigError(f"--held-out {lang}: given with --text {lang}, or no run directory (pass --run-dir)")
         docs[lang] = held_out_documents(run_dir, lang)
+    stage(f"loading {args.checkpoint}")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model, tok, ckpt = load_model(args.checkpoint)
     model.to(device)
@@ -147,6 +170,8 @@ def evaluate(args: argparse.Namespace) -> dict:
 
         ggufs = [LlamaCppLM(path, n_ctx=seq_len) for path in args.gguf]
     twin = twin_model(model, args.twin_seed, device=device) if args.twin else None
+    if docs:
+        stage("the run's n-gram baselines")
     counts, source = run_baselines(run_dir, list(docs), tok.eos_id, cfg.vocab_size) if docs else ({}, "")
     out: dict = {"checkpoint": str(args.checkpoint), "step": ckpt.get("global_step"), "vocab_size": cfg.vocab_size,
                  "ln_vocab": math.log(cfg.vocab_size), "seq_len": seq_len,
@@ -154,10 +179,12 @@ def evaluate(args: argparse.Namespace) -> dict:
     for lang, d in docs.items():
         stream = token_stream(tok.encode_batch(d), tok.eos_id)
         chars, nbytes = sum(len(x) for x in d), sum(len(x.encode("utf-8")) for x in d)
+        stage(f"{lang}: {len(d):,} documents, {len(stream):,} tokens: the checkpoint")
         r = score(model, stream, seq_len, args.batch_size, device, chars, nbytes)
         row = {k: getattr(r, k) for k in FIELDS} | {"tokens": r.tokens, "chars": r.chars, "bytes": r.bytes,
                                                      "documents": len(d)}
         if twin is not None:
+            stage(f"{lang}: the random twin")
             t = score(twin, stream, seq_len, args.batch_size, device, chars, nbytes)
             row |= {f"twin_{k}": getattr(t, k) for k in FIELDS}
             row["nll_gap"] = t.nll_per_token - r.nll_per_token
@@ -168,8 +195,10 @@ def evaluate(args: argparse.Namespace) -> dict:
         row["beats"] = {name: row[f"{name}_bits_per_char"] > r.bits_per_char
                         for name in ("twin", *BASELINES) if f"{name}_bits_per_char" in row}
         if ggufs:
+            stage(f"{lang}: {len(ggufs)} GGUF file(s) through llama.cpp")
             row["gguf"] = {str(lm.path): score_gguf(lm, d, seq_len, args.batch_size, stream, r) for lm in ggufs}
         if args.contamination:
+            stage(f"{lang}: overlap with the training text")
             row["contamination"] = contamination(d, run_dir, f"--text {lang}")
         out[lang] = row
     for lm in ggufs:
@@ -178,6 +207,7 @@ def evaluate(args: argparse.Namespace) -> dict:
         from bnlit.evaluation.multiple_choice import load_items, score_items
 
         items = load_items(args.multiple_choice)
+        stage(f"multiple choice: {len(items):,} items")
         scores = score_items(model, tok, items, seq_len)
         scores.pop("predictions")
         if twin is not None:

@@ -49,3 +49,14 @@ def test_listed_messages_are_dropped_and_others_stay(caplog, monkeypatch):
         lightning_log.info(SAMPLES[r"^💡 Tip: "])
         lightning_log.info("GPU available: False, used: False")
     assert [r.getMessage() for r in caplog.records] == ["GPU available: False, used: False"]
+
+
+def test_the_docs_list_every_filter():
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parent.parent / "docs" / "getting-started.md").read_text()
+    listed = page.split("## What the first screen leaves out", 1)[1]
+    for needle in ("srun command is available", "LeafSpec", "not resumable", "does not have many workers",
+                   "not supported by the model summary", "Tip: ", "anonymous setting"):
+        assert needle in listed, needle
+    assert len(quiet.FILTERS) == 6  # a new filter needs a row in the docs (and a sample above)

@@ -36,3 +36,42 @@ def test_every_option_has_help(script, monkeypatch):
                if not isinstance(a, argparse._HelpAction) and not (a.help and a.help.strip())]
     assert not missing, f"{script.name}: options without help: {missing}"
     assert parser.format_help()
+
+
+HEAVY = ("torch", "lightning", "transformers", "datasets")
+PROBE = """
+import contextlib, io, json, runpy, sys
+path = sys.argv[1]
+sys.argv = [path, "--help"]
+sys.path.insert(0, str(__import__("pathlib").Path(path).parent))
+with contextlib.redirect_stdout(io.StringIO()) as out:
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except SystemExit:
+        pass
+print(json.dumps({"help": out.getvalue(), "heavy": sorted(m for m in %r if m in sys.modules)}))
+""" % (HEAVY,)
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=[s.name for s in SCRIPTS])
+def test_help_answers_without_importing_torch(script):
+    """``--help`` is for reading, not for waiting: it answers before torch or Lightning is imported
+    (6-7 s of imports on a quiet machine, a minute on a busy one)."""
+    import json
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", PROBE, str(script)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.splitlines()[-1])
+    assert result["help"].startswith("usage: "), result["help"][:200]
+    assert result["heavy"] == [], f"{script.name} --help imports {result['heavy']}"
+
+
+def test_constants_the_scripts_repeat_agree_with_their_modules():
+    """The scripts name a few choices without importing their heavy modules; they must not drift."""
+    from bnlit.evaluation.ngram import BASELINES
+    from bnlit.export import GGUF_TYPES
+
+    scripts = Path(__file__).resolve().parent.parent / "scripts"
+    assert runpy.run_path(str(scripts / "export_gguf.py"))["GGUF_TYPES"] == GGUF_TYPES
+    assert runpy.run_path(str(scripts / "evaluate.py"))["BASELINES"] == tuple(BASELINES)

@@ -49,11 +49,16 @@ class Pace(L.Callback):
         time.sleep(self.seconds)
 
 
-def submit(cluster, sweep_dir: Path, *overrides: str) -> subprocess.Popen:
+def submit(cluster, sweep_dir: Path, *overrides: str, wandb: bool = False) -> subprocess.Popen:
+    """``wandb``: W&B (offline) instead of the CSV logger alone (W&B keeps a CSV logger beside it)."""
     env = dict(cluster.env, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    tiny = TINY
+    if wandb:
+        env |= {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+        tiny = [o if o != "logger=csv" else "logger=wandb" for o in TINY]
     log = open(sweep_dir.parent / f"{sweep_dir.name}.log", "w")
-    return subprocess.Popen([sys.executable, "-m", "bnlit.train", "-m", *TINY, *SLURM, f"hydra.sweep.dir={sweep_dir}",
+    return subprocess.Popen([sys.executable, "-m", "bnlit.train", "-m", *tiny, *SLURM, f"hydra.sweep.dir={sweep_dir}",
                              *overrides], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=sweep_dir.parent)
 
 
@@ -77,7 +82,7 @@ def losses(job_dir: Path) -> dict[int, float]:
 @pytest.fixture(scope="module")
 def sweep(slurm_cluster, tmp_path_factory, cache_dir) -> Path:
     sweep_dir = tmp_path_factory.mktemp("sweep") / "multirun"
-    proc = submit(slurm_cluster, sweep_dir, f"seed={SEEDS[0]},{SEEDS[1]}")
+    proc = submit(slurm_cluster, sweep_dir, f"seed={SEEDS[0]},{SEEDS[1]}", wandb=True)
     finish(proc, sweep_dir)
     return sweep_dir
 
@@ -96,6 +101,29 @@ def test_a_two_point_sweep_runs_two_jobs_of_two_ranks(sweep):
     assert len(submitit) == 2, submitit  # one SLURM job (array task) per sweep point
     for d in submitit:  # each job ran 2 tasks, and both returned to submitit
         assert len(list(d.glob("*_result.pkl"))) == 2 and len(list(d.glob("*_log.err"))) == 2
+
+
+def test_each_slurm_job_is_its_own_wandb_run_and_the_sweep_ends_with_its_table(sweep):
+    """Through submitit: one W&B run per job (rank zero's), named by the job's own override, grouped
+    by the sweep, with its own seed and final val/loss (read by W&B's own reader); the submitting
+    process writes the sweep's table."""
+    import json
+
+    wandb = Path(sys.executable).parent / "wandb"
+    for job, seed in (("0", SEEDS[0]), ("1", SEEDS[1])):
+        runs = list((sweep / job / "wandb").glob("offline-run-*"))
+        assert len(runs) == 1, runs
+        record = json.loads(subprocess.run([str(wandb), "leet", "inspect", "--summary", "--json", str(runs[0])],
+                                           capture_output=True, text=True, timeout=120).stdout)
+        assert record["name"] == f"{job}: seed={seed}" and record["config"]["seed"] == seed
+        assert record["summary"]["val/loss"] == pytest.approx(read_metrics(sweep / job / "csv" / "metrics.csv")
+                                                              ["val/loss"][-1][1], rel=1e-9, abs=0)
+        raw = subprocess.run([str(wandb), "leet", "inspect", "--json", str(runs[0])], capture_output=True, text=True,
+                             timeout=120).stdout.splitlines()
+        assert next(json.loads(line)["run"] for line in raw if '"type":"run"' in line)["run_group"] == sweep.name
+    table = json.loads((sweep / "sweep_summary.json").read_text())
+    assert sorted(r["job"] for r in table["jobs"]) == ["0", "1"]
+    assert sorted(r["overrides"] for r in table["jobs"]) == sorted([[f"seed={s}"] for s in SEEDS])
 
 
 def test_scontrol_requeue_saves_requeues_and_continues_to_the_end(slurm_cluster, sweep, tmp_path):

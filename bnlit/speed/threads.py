@@ -24,7 +24,6 @@ import logging
 import math
 import os
 
-import torch
 
 from bnlit.errors import ConfigError
 
@@ -76,6 +75,8 @@ def rechoose_threads(cpus: int, load: float, current: int) -> tuple[int, str]:
 
 def set_threads(setting: int | str) -> int:
     """Apply :func:`choose_threads` to torch and log the choice with the load; returns the count."""
+    import torch  # here: the rest of this module (cores, load) serves tools that never import torch
+
     n, why = choose_threads(setting, available_cpus(), load_average())
     torch.set_num_threads(n)
     log.info("threads: %d (%s)", n, why)
