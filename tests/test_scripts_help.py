@@ -53,7 +53,13 @@ print(json.dumps({"help": out.getvalue(), "heavy": sorted(m for m in %r if m in 
 """ % (HEAVY,)
 
 
-@pytest.mark.parametrize("script", SCRIPTS, ids=[s.name for s in SCRIPTS])
+# bench.py still imports torch and Lightning at its top (its Lightning callback class is defined at
+# module level); strict, so the test fails the day it passes and this mark must go
+PENDING = {"bench.py": "bench.py imports torch at module level (issue 26 item 6, open)"}
+
+
+@pytest.mark.parametrize("script", [pytest.param(s, marks=pytest.mark.xfail(strict=True, reason=PENDING[s.name]))
+                                    if s.name in PENDING else s for s in SCRIPTS], ids=[s.name for s in SCRIPTS])
 def test_help_answers_without_importing_torch(script):
     """``--help`` is for reading, not for waiting: it answers before torch or Lightning is imported
     (6-7 s of imports on a quiet machine, a minute on a busy one)."""
