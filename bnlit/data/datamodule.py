@@ -27,7 +27,7 @@ from bnlit import progress as progress_bars
 from bnlit.checkpointing import worker_ignores_interrupts
 from bnlit.data import embedded
 from bnlit.data.dataset import MixtureSampler, PackedWindows, mixture_counts, resume_start
-from bnlit.data.pipeline import CleanConfig, Plan, load_stats, plan_data, run_local
+from bnlit.data.pipeline import CleanConfig, Plan, load_stats, plan_data, run_local, workers
 from bnlit.data.report import build_report, log_report, write_report
 from bnlit.data.shards import load_index, read_tokens
 from bnlit.data.sources import Source, check_exists, fingerprint
@@ -109,7 +109,7 @@ class BnDataModule(L.LightningDataModule):
         val_fraction: float = 0.05,
         num_workers: int = 0,
         pin_memory: bool = False,
-        num_proc: int = 1,
+        num_proc: int | str = 1,
         seed: int = 0,
         weight_unit: str = "tokens",
         prefetch_factor: int | None = None,
@@ -202,7 +202,7 @@ class BnDataModule(L.LightningDataModule):
             return
         plan = self.plan()
         cached = plan.clean_done()
-        run_local(plan, workers=self.num_proc, quiet=True, on_group=lambda group, seconds: self._timing.update({group: seconds}))
+        run_local(plan, workers=workers(self.num_proc), quiet=True, on_group=lambda group, seconds: self._timing.update({group: seconds}))
         if plan.clean_dir is not None:
             self.clean_dir, self.clean_stats = plan.clean_dir, load_stats(plan.clean_dir)
             st = self.clean_stats["sources"].values()

@@ -329,6 +329,15 @@ def _clean_stages(plan: Plan) -> list[Stage]:
     return out
 
 
+def workers(num_proc) -> int:
+    """``data.num_proc``: how many tasks run at once, an integer or ``auto`` (this machine's cores)."""
+    if num_proc == "auto":
+        return os.cpu_count() or 1
+    if isinstance(num_proc, bool) or not isinstance(num_proc, int) or num_proc < 1:
+        raise ConfigError(f"data.num_proc={num_proc!r}: use a positive integer or auto")
+    return num_proc
+
+
 # ---- running them ----------------------------------------------------------------------------
 @contextlib.contextmanager
 def _quiet_datatrove(quiet: bool) -> Iterator[None]:
@@ -366,21 +375,19 @@ def run_local(plan: Plan, workers: int = 1, quiet: bool = False,
 
     from datatrove.executor.local import LocalPipelineExecutor
 
-    with _lock(plan):
+    with _lock(plan), _quiet_datatrove(quiet):
         todo = stages(plan)
         prev = None
         timing: dict[str, float] = {}
-        with _quiet_datatrove(quiet):
-            for i, st in enumerate(todo):
-                t = time.perf_counter()
-                ex = LocalPipelineExecutor(st.pipeline, tasks=st.tasks, workers=max(1, min(workers, st.tasks)),
-                                           logging_dir=str(st.logging_dir), depends=prev)
-                ex.run()
-                prev = ex
-                timing[st.group] = timing.get(st.group, 0.0) + time.perf_counter() - t
-                last = i + 1 == len(todo) or todo[i + 1].group != st.group
-                if last and on_group is not None:
-                    on_group(st.group, timing[st.group])
+        for i, st in enumerate(todo):
+            t = time.perf_counter()
+            ex = LocalPipelineExecutor(st.pipeline, tasks=st.tasks, workers=max(1, min(workers, st.tasks)),
+                                       logging_dir=str(st.logging_dir), depends=prev)
+            ex.run()
+            prev = ex
+            timing[st.group] = timing.get(st.group, 0.0) + time.perf_counter() - t
+            if on_group is not None and (i + 1 == len(todo) or todo[i + 1].group != st.group):
+                on_group(st.group, timing[st.group])
 
 
 def launch_slurm(plan: Plan, cfg: dict) -> list[tuple[str, str, int]]:
