@@ -79,3 +79,46 @@ def _is_val(text: str) -> bool:
     from bnlit.data.shards import is_validation
 
     return is_validation(text, PLANTED_VAL_FRACTION)
+
+
+def write_sources(directory, corpus) -> list:
+    """``corpus`` ((name, language, documents)) as JSONL files; returns the :class:`Source` list."""
+    import json
+    from pathlib import Path
+
+    from bnlit.data.sources import Source
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    out = []
+    for name, language, docs in corpus:
+        path = directory / f"{name}.jsonl"
+        path.write_text("".join(json.dumps({"text": d}, ensure_ascii=False) + "\n" for d in docs), encoding="utf-8")
+        out.append(Source(name=name, language=language, path=str(path)))
+    return out
+
+
+def plan_build(tmp_path, corpus, tokenizer_path, val_fraction: float = 0.2, clean=None, tasks: int = 1,
+               eval_texts=None, cache=None):
+    """The data build's plan for ``corpus`` written to files under ``tmp_path`` with the given
+    tokenizer (``clean``: a :class:`CleanConfig`, None: no cleaning)."""
+    import json
+    from pathlib import Path
+
+    from bnlit.data.pipeline import CleanConfig, plan_data
+    from bnlit.data.sources import Source, fingerprint
+    from bnlit.tokenizer import Tokenizer
+
+    tmp_path = Path(tmp_path)
+    sources = write_sources(tmp_path / "sources", corpus)
+    paths = [Path(s.path) for s in sources]
+    evals = []
+    if eval_texts:
+        ev = tmp_path / "sources" / "bench.jsonl"
+        ev.write_text("".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in eval_texts))
+        evals = [(Source(name="bench", language="eval", path=str(ev), sample_by="line"), ev)]
+    vocab = Tokenizer(tokenizer_path).vocab_size
+    return plan_data(sources, paths, [fingerprint(s, p) for s, p in zip(sources, paths)],
+                     clean if clean is not None else CleanConfig(enabled=False), val_fraction,
+                     Path(cache or tmp_path / "cache"), {"path": str(tokenizer_path), "vocab_size": vocab},
+                     tasks=tasks, eval_sources=evals)

@@ -348,6 +348,7 @@ def _quiet_datatrove(quiet: bool) -> Iterator[None]:
         return
     from loguru import logger
 
+    logger.remove()  # the handler datatrove adds at import holds the real stderr
     with open(os.devnull, "w") as null, contextlib.redirect_stderr(null):
         try:
             yield
