@@ -339,6 +339,9 @@ def workers(num_proc) -> int:
 
 
 # ---- running them ----------------------------------------------------------------------------
+_NULL: list = []  # one devnull stream, never closed: a handler a library binds to it while quiet stays valid
+
+
 @contextlib.contextmanager
 def _quiet_datatrove(quiet: bool) -> Iterator[None]:
     """datatrove logs every task to stderr (loguru) besides its own log files; a training run
@@ -346,10 +349,14 @@ def _quiet_datatrove(quiet: bool) -> Iterator[None]:
     if not quiet:
         yield
         return
+    import datasets.utils.logging
     from loguru import logger
 
+    datasets.utils.logging.get_logger("datasets")  # its handler is made once: on the real stderr, not devnull
+    if not _NULL:
+        _NULL.append(open(os.devnull, "w"))
     logger.remove()  # the handler datatrove adds at import holds the real stderr
-    with open(os.devnull, "w") as null, contextlib.redirect_stderr(null):
+    with contextlib.redirect_stderr(_NULL[0]):
         try:
             yield
         finally:
