@@ -125,7 +125,7 @@ def compare(docs: list[str], cfg: FilterConfig, fw2: list, examples: int) -> dic
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--text", help="a Bangla text file to compare on as well (documents of --lines-per-doc lines)")
-    p.add_argument("--lines-per-doc", type=int, default=10)
+    p.add_argument("--lines-per-doc", type=int, default=10, help="lines of --text per document")
     p.add_argument("--examples", type=int, default=2, help="examples shown of each disagreement")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
     args = p.parse_args(argv)

@@ -9,6 +9,19 @@ def test_canonical_words_ignore_case_punctuation_and_spacing():
     assert canonical_words("A b.") == canonical_words("a  B")
 
 
+def test_minhash_values_equal_datasketch_affine32():
+    import xxhash
+    from datasketch import MinHash
+
+    from bnlit.data.dedup import shingles
+
+    for text in (document(1), "এক দুই", "one"):
+        ws = canonical_words(text)
+        m = MinHash(num_perm=128, seed=1, hashfunc=xxhash.xxh32_intdigest, scheme="affine32")
+        m.update_batch(shingles(ws, 5))
+        assert (signature(ws, DedupConfig()) == m.hashvalues).all()
+
+
 def test_bands_are_those_datasketch_picks_and_collide_like_its_lsh():
     cfg = DedupConfig()
     assert lsh_bands(cfg) == (9, 13)

@@ -82,14 +82,26 @@ def _permutations(num_perm: int):
     return _PERMUTATIONS[num_perm]
 
 
+_FMIX32 = (16, 0x85EBCA6B, 13, 0xC2B2AE35, 16)  # MurmurHash3's 32-bit finalizer
+
+
 def minhash_values(shingle_hashes, num_perm: int) -> np.ndarray:
     """MinHash values (``num_perm`` uint32) of a document's shingle hashes (xxh32 of each
-    shingle): datasketch's ``affine32`` scheme with seed 1."""
-    from datasketch import MinHash
-
-    m = MinHash(num_perm=num_perm, seed=1, hashfunc=int, permutations=_permutations(num_perm), scheme=SCHEME)
-    m.update_batch([int(h) for h in shingle_hashes])
-    return m.hashvalues
+    shingle): datasketch's ``affine32`` scheme with seed 1 (each hash pre-mixed with the
+    MurmurHash3 finalizer, then ``a * h + b`` mod 2**32, the minimum per permutation), computed
+    on the whole array at once; tests/test_dedup.py checks it against datasketch's ``MinHash``."""
+    a, b = (np.asarray(x, dtype=np.uint32) for x in _permutations(num_perm))
+    hv = np.asarray(shingle_hashes, dtype=np.uint64).astype(np.uint32)
+    if hv.size == 0:
+        return np.full(num_perm, np.iinfo(np.uint32).max, dtype=np.uint32)
+    s1, m1, s2, m2, s3 = _FMIX32
+    with np.errstate(over="ignore"):
+        hv = hv ^ (hv >> np.uint32(s1))
+        hv = hv * np.uint32(m1)
+        hv = hv ^ (hv >> np.uint32(s2))
+        hv = hv * np.uint32(m2)
+        hv = hv ^ (hv >> np.uint32(s3))
+        return (hv[:, None] * a + b).min(axis=0)
 
 
 def signature(ws: list[str], cfg: DedupConfig) -> np.ndarray:

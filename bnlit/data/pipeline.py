@@ -44,6 +44,7 @@ import json
 import logging
 import os
 import shutil
+import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -421,7 +422,11 @@ def launch_slurm(plan: Plan, cfg: dict) -> list[tuple[str, str, int]]:
         executors.append((st, ex))
         prev = ex
     if executors:
-        executors[-1][1].run()  # launches its dependencies first
+        try:
+            executors[-1][1].run()  # launches its dependencies first
+        except subprocess.CalledProcessError as e:
+            raise ConfigError(f"sbatch refused a job of the data build (exit {e.returncode}; its message is above); "
+                              "check data.executor.partition, time, mem_per_cpu_gb and sbatch_args") from None
     return [(st.name, str(ex.job_id), st.tasks) for st, ex in executors]
 
 

@@ -153,8 +153,19 @@ class CanonicalWords(WordTokenizer):
         return spans
 
 
+_LAST_WORDS: list = [None, None]
+
+
+def words_of(text: str) -> list[str]:
+    """:func:`canonical_words`, remembered for the last text: the exact and MinHash signature
+    steps see the same string one after the other."""
+    if _LAST_WORDS[0] is not text:
+        _LAST_WORDS[:] = [text, canonical_words(text)]
+    return _LAST_WORDS[1]
+
+
 def canonical_text(doc: Document) -> str:
-    return " ".join(canonical_words(doc.text))
+    return " ".join(words_of(doc.text))
 
 
 def exact_config() -> ExactDedupConfig:
@@ -207,7 +218,7 @@ class MinhashSignature(MinhashDedupSignature):
         self.dedup = cfg
 
     def get_shingles(self, text: str) -> np.ndarray:
-        grams = shingles(canonical_words(text), self.dedup.shingle)
+        grams = shingles(words_of(text), self.dedup.shingle)
         return np.fromiter((xxhash.xxh32_intdigest(g) for g in grams), dtype=np.uint64, count=len(grams)).reshape(-1, 1)
 
     def get_signature(self, shingle_hashes: np.ndarray) -> list[list[int]]:
