@@ -1,4 +1,4 @@
-"""bnlit.evaluation, bnlit.multiple_choice and the RandomTwinNLL callback."""
+"""bnlit.evaluation.heldout, bnlit.evaluation.multiple_choice and the RandomTwinNLL callback."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from bnlit import CONF_DIR
-from bnlit.evaluation import (EvalResult, NLLSum, documents_prefix, evaluate_documents, evaluate_stream, text_size,
+from bnlit.evaluation.heldout import (EvalResult, NLLSum, documents_prefix, evaluate_documents, evaluate_stream, text_size,
                               token_stream, twin_model, twin_verdicts, uniform_nll, windows)
-from bnlit.multiple_choice import MultipleChoiceItem, continuation_logprob, encode_pair, load_items, score_items
+from bnlit.evaluation.multiple_choice import MultipleChoiceItem, continuation_logprob, encode_pair, load_items, score_items
 from bnlit.model import ModelConfig, Transformer
 from bnlit.run_report import read_metrics
 from bnlit.train import train

@@ -2,10 +2,10 @@
 
 ``prepare_data`` (one process per node) materialises the embedded corpus and runs the data build
 (bnlit/data/pipeline.py: datatrove stages that clean, train or load the tokenizer and build the
-shards); ``setup`` (every process) opens them read-only. Everything built is cached under
-``cache_dir`` by a hash of its inputs, so a second run starts at once, a changed source or
-tokenizer rebuilds, and a build made beforehand by ``python -m bnlit.prepare`` (on a cluster) is
-found and read."""
+shards), then checks the shards against their index's checksums; ``setup`` (every process) opens
+them read-only. Everything built is cached under ``cache_dir`` by a hash of its inputs, so a second
+run starts at once, a changed source or tokenizer rebuilds, and a build made beforehand by
+``python -m bnlit.prepare`` (on a cluster) is found and read."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.utils.data import ConcatDataset, DataLoader
 
 from bnlit import progress as progress_bars
-from bnlit.checkpointing import worker_ignores_interrupts
+from bnlit.interrupt import worker_ignores_interrupts
 from bnlit.data import embedded
 from bnlit.data.dataset import MixtureSampler, PackedWindows, mixture_counts, resume_start
 from bnlit.data.pipeline import CleanConfig, Plan, load_stats, plan_data, run_local, workers
@@ -32,7 +32,7 @@ from bnlit.data.report import build_report, log_report, write_report
 from bnlit.data.shards import load_index, read_tokens
 from bnlit.data.sources import Source, check_exists, fingerprint
 from bnlit.errors import ConfigError, TokenizerError
-from bnlit.fertility import by_language, chars_per_token, effective_shares, token_weights_for_char_shares
+from bnlit.checks.fertility import by_language, chars_per_token, effective_shares, token_weights_for_char_shares
 from bnlit.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -215,7 +215,8 @@ class BnDataModule(L.LightningDataModule):
             log.info("data: tokenizer %s %s", "given:" if plan.tokenizer_given else "reused from", plan.tokenizer_path)
         self.tokenizer = Tokenizer(plan.tokenizer_path)
         self.shard_dir = plan.shard_dir()
-        self.index = load_index(self.shard_dir)
+        # every block against the index's checksum, once per node (local rank zero), before training
+        self.index = load_index(self.shard_dir, verify=self.trainer is None or self.trainer.local_rank == 0)
         tokens = {split: sum(e[split]["tokens"] for e in self.index["sources"].values()) for split in ("train", "val")}
         progress_bars.stage_summary("shards", f"{progress_bars.human(tokens['train'])} training and "
                                     f"{progress_bars.human(tokens['val'])} validation tokens in {self.shard_dir}",
@@ -313,7 +314,7 @@ class BnDataModule(L.LightningDataModule):
             num_workers=self.num_workers,
             pin_memory=self.pin_memory,
             persistent_workers=self.num_workers > 0,
-            worker_init_fn=worker_ignores_interrupts if self.num_workers > 0 else None,  # Ctrl-C: see bnlit.checkpointing
+            worker_init_fn=worker_ignores_interrupts if self.num_workers > 0 else None,  # Ctrl-C: see bnlit.interrupt
             # batches each worker keeps ready (torch's default, 2, when None); workers only
             prefetch_factor=self.prefetch_factor if self.num_workers > 0 else None,
         )
