@@ -31,7 +31,7 @@ def prepare(cfg: DictConfig) -> dict:
     from bnlit.data.pipeline import launch_slurm, load_stats, run_local, workers
     from bnlit.data.report import build_report, to_markdown, write_report
     from bnlit.data.shards import load_index
-    from bnlit.validate import instantiate_checked
+    from bnlit.preflight import instantiate_checked
 
     dm: BnDataModule = instantiate_checked(cfg.data, _recursive_=False)
     kind = dm.executor.get("kind", "local")

@@ -43,7 +43,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -54,10 +53,10 @@ from bnlit.data import filters as F
 from bnlit.data.decontam import DecontamConfig
 from bnlit.data.dedup import DedupConfig, lsh_bands
 from bnlit.data.sources import Piece, Source, iter_documents
+from bnlit.data.steps import STATS_FILE  # noqa: F401 (the cleaning's "finished" mark, written by CleanStats)
 from bnlit.errors import ConfigError
 
 log = logging.getLogger(__name__)
-STATS_FILE = "stats.json"
 DOCS = "docs"
 
 
@@ -208,42 +207,6 @@ def tokenizer_key(cfg: dict, fingerprints: list[str], val_fraction: float) -> st
             "word_frequencies": {k: float(v) for k, v in (cfg.get("word_frequencies") or {}).items() if v},
             "recipe": RECIPE_VERSION}
     return _key(spec, fingerprints, val_fraction)
-
-
-def train_plan_tokenizer(plan: Plan) -> Path:
-    """Train the plan's SentencePiece model on the training split of its documents, with
-    ``tokenizer.lang_weights`` and the ``word_frequencies`` supplement; ``sources.json`` beside
-    it names the sources."""
-    from bnlit import progress
-    from bnlit.data import embedded
-    from bnlit.data.shards import is_validation
-    from bnlit.tokenizer import sample_by_language, train_tokenizer, training_lines
-
-    cfg = plan.tokenizer_cfg
-    lang_weights = dict(cfg["lang_weights"]) if cfg.get("lang_weights") else None
-    word_freq = {k: float(v) for k, v in (cfg.get("word_frequencies") or {}).items() if v}
-    with progress.Timer() as timer:
-        docs = (d for i in range(len(plan.sources)) for d in plan.documents(i) if not is_validation(d, plan.val_fraction))
-        if lang_weights or word_freq:
-            by_lang: dict[str, list[str]] = {}
-            for i, s in enumerate(plan.sources):
-                by_lang.setdefault(s.language, []).extend(
-                    training_lines(d for d in plan.documents(i) if not is_validation(d, plan.val_fraction)))
-            for lang, ratio in word_freq.items():
-                if by_lang.get(lang):  # a supplement to a language the sources have
-                    chars = int(ratio * sum(map(len, by_lang[lang])))
-                    by_lang[lang] += embedded.word_lines(lang, chars, seed=plan.seed)
-            if lang_weights and set(lang_weights) - set(by_lang):
-                log.info("tokenizer.lang_weights: data.sources have no %s text; weighting %s only",
-                         sorted(set(lang_weights) - set(by_lang)), sorted(set(lang_weights) & set(by_lang)))
-                lang_weights = {k: v for k, v in lang_weights.items() if k in by_lang}
-            docs = sample_by_language(by_lang, lang_weights if len(lang_weights or ()) > 1 else None, seed=plan.seed)
-        train_tokenizer(docs, plan.tokenizer_path, vocab_size=cfg["vocab_size"], model_type=cfg.get("model_type", "bpe"),
-                        character_coverage=cfg.get("character_coverage", 0.9999),
-                        normalization=cfg.get("normalization") or "nfc", split_digits=bool(cfg.get("split_digits", True)))
-        (plan.tokenizer_path.parent / "sources.json").write_text(json.dumps([s.to_dict() for s in plan.sources], indent=2))
-    progress.stage_summary("tokenizer", f"trained: {cfg['vocab_size']} {cfg.get('model_type', 'bpe')} pieces", timer.seconds)
-    return plan.tokenizer_path
 
 
 # ---- the stages ----------------------------------------------------------------------------
@@ -449,9 +412,3 @@ def read_clean(out_dir: str | os.PathLike, name: str) -> Iterator[str]:
             with path.open("rb") as f:
                 for line in f:
                     yield orjson.loads(line)["text"]
-
-
-def remove_intermediates(clean_dir: Path) -> None:
-    """What only the cleaning stages read (filtered and deduplicated copies, signatures)."""
-    for sub in ("filtered", "deduped", "exact", "minhash"):
-        shutil.rmtree(clean_dir / sub, ignore_errors=True)

@@ -17,7 +17,9 @@ them in order.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import shutil
 import struct
 from collections import defaultdict
 from pathlib import Path
@@ -42,6 +44,8 @@ from bnlit.data.dedup import DedupConfig, canonical_words, lsh_bands, minhash_va
 from bnlit.data.normalize import normalize_text
 from bnlit.data.sources import Piece, iter_documents
 
+log = logging.getLogger(__name__)
+STATS_FILE = "stats.json"  # a finished cleaning's statistics: its presence marks the cleaning done
 PRIORITY_MAX = 65535  # datatrove's exact dedup keeps the highest 16-bit priority of a duplicate group
 
 
@@ -482,8 +486,6 @@ class CleanStats(PipelineStep):
         self.plan = plan
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
-        from bnlit.data.pipeline import STATS_FILE, remove_intermediates
-
         with self.track_time():
             stats = self.summary()
             remove_intermediates(self.plan.clean_dir)
@@ -586,7 +588,7 @@ def _add(row: dict, into: tuple[int, int], out: tuple[int, int], *steps) -> None
 
 class TrainTokenizer(PipelineStep):
     """One task: the plan's SentencePiece model, trained on the training split of the cleaned
-    documents (:func:`bnlit.data.pipeline.train_plan_tokenizer`)."""
+    documents (:func:`train_plan_tokenizer`)."""
 
     type = "🔢 - TOKENIZER"
     name = "🔢 bnlit train tokenizer"
@@ -596,8 +598,6 @@ class TrainTokenizer(PipelineStep):
         self.plan = plan
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
-        from bnlit.data.pipeline import train_plan_tokenizer
-
         with self.track_time():
             if not self.plan.tokenizer_path.is_file():
                 train_plan_tokenizer(self.plan)
@@ -615,8 +615,6 @@ class MergeShards(PipelineStep):
         self.plan = plan
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
-        import shutil
-
         from bnlit.data.shards import merge_shards
         from bnlit.tokenizer import Tokenizer
 
@@ -626,3 +624,45 @@ class MergeShards(PipelineStep):
             merge_shards(plan.shard_root, plan.tasks_dir, sources, plan.fingerprints, Tokenizer(plan.tokenizer_path),
                          plan.val_fraction)
             shutil.rmtree(plan.tasks_dir, ignore_errors=True)
+
+
+def train_plan_tokenizer(plan: Plan) -> Path:
+    """Train the plan's SentencePiece model on the training split of its documents, with
+    ``tokenizer.lang_weights`` and the ``word_frequencies`` supplement; ``sources.json`` beside
+    it names the sources."""
+    from bnlit import progress
+    from bnlit.data import embedded
+    from bnlit.data.shards import is_validation
+    from bnlit.tokenizer import sample_by_language, train_tokenizer, training_lines
+
+    cfg = plan.tokenizer_cfg
+    lang_weights = dict(cfg["lang_weights"]) if cfg.get("lang_weights") else None
+    word_freq = {k: float(v) for k, v in (cfg.get("word_frequencies") or {}).items() if v}
+    with progress.Timer() as timer:
+        docs = (d for i in range(len(plan.sources)) for d in plan.documents(i) if not is_validation(d, plan.val_fraction))
+        if lang_weights or word_freq:
+            by_lang: dict[str, list[str]] = {}
+            for i, s in enumerate(plan.sources):
+                by_lang.setdefault(s.language, []).extend(
+                    training_lines(d for d in plan.documents(i) if not is_validation(d, plan.val_fraction)))
+            for lang, ratio in word_freq.items():
+                if by_lang.get(lang):  # a supplement to a language the sources have
+                    chars = int(ratio * sum(map(len, by_lang[lang])))
+                    by_lang[lang] += embedded.word_lines(lang, chars, seed=plan.seed)
+            if lang_weights and set(lang_weights) - set(by_lang):
+                log.info("tokenizer.lang_weights: data.sources have no %s text; weighting %s only",
+                         sorted(set(lang_weights) - set(by_lang)), sorted(set(lang_weights) & set(by_lang)))
+                lang_weights = {k: v for k, v in lang_weights.items() if k in by_lang}
+            docs = sample_by_language(by_lang, lang_weights if len(lang_weights or ()) > 1 else None, seed=plan.seed)
+        train_tokenizer(docs, plan.tokenizer_path, vocab_size=cfg["vocab_size"], model_type=cfg.get("model_type", "bpe"),
+                        character_coverage=cfg.get("character_coverage", 0.9999),
+                        normalization=cfg.get("normalization") or "nfc", split_digits=bool(cfg.get("split_digits", True)))
+        (plan.tokenizer_path.parent / "sources.json").write_text(json.dumps([s.to_dict() for s in plan.sources], indent=2))
+    progress.stage_summary("tokenizer", f"trained: {cfg['vocab_size']} {cfg.get('model_type', 'bpe')} pieces", timer.seconds)
+    return plan.tokenizer_path
+
+
+def remove_intermediates(clean_dir: Path) -> None:
+    """What only the cleaning stages read (filtered and deduplicated copies, signatures)."""
+    for sub in ("filtered", "deduped", "exact", "minhash"):
+        shutil.rmtree(clean_dir / sub, ignore_errors=True)
