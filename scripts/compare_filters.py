@@ -108,6 +108,14 @@ def compare(docs: list[str], cfg: FilterConfig, fw2: list, examples: int) -> dic
     only_ours = [(t, r) for t, r, f in zip(docs, ours, theirs) if r and not f]
     only_theirs = [(t, f) for t, r, f in zip(docs, ours, theirs) if f and not r]
     clip = lambda t: t[:240].replace("\n", " / ") + ("..." if len(t) > 240 else "")  # noqa: E731
+
+    def per_reason(pairs):  # up to ``examples`` of each reason
+        out: dict[str, list] = {}
+        for t, r in pairs:
+            if len(out.setdefault(r, [])) < examples:
+                out[r].append(clip(t))
+        return [[r, t] for r, ts in out.items() for t in ts]
+
     return {
         "docs": len(docs),
         "kept_bnlit": sum(r is None for r in ours),
@@ -116,9 +124,9 @@ def compare(docs: list[str], cfg: FilterConfig, fw2: list, examples: int) -> dic
         "bnlit_drops": dict(Counter(r.split(":")[0] + ":" + r.split(":")[1] for r in ours if r)),
         "fineweb2_drops": dict(Counter(f for f in theirs if f)),
         "dropped_by_bnlit_kept_by_fineweb2": {"count": len(only_ours), "reasons": dict(Counter(r for _, r in only_ours)),
-                                              "examples": [[r, clip(t)] for t, r in only_ours[:examples]]},
+                                              "examples": per_reason(only_ours)},
         "dropped_by_fineweb2_kept_by_bnlit": {"count": len(only_theirs), "reasons": dict(Counter(f for _, f in only_theirs)),
-                                              "examples": [[f, clip(t)] for t, f in only_theirs[:examples]]},
+                                              "examples": per_reason(only_theirs)},
     }
 
 
@@ -126,7 +134,7 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--text", help="a Bangla text file to compare on as well (documents of --lines-per-doc lines)")
     p.add_argument("--lines-per-doc", type=int, default=10, help="lines of --text per document")
-    p.add_argument("--examples", type=int, default=2, help="examples shown of each disagreement")
+    p.add_argument("--examples", type=int, default=2, help="examples shown of each reason for a disagreement")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
     args = p.parse_args(argv)
     cfg = bnlit_filters()
