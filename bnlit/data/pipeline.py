@@ -258,7 +258,9 @@ def _clean_stages(plan: Plan) -> list[Stage]:
 
     first_out = "filtered" if dedup else ("deduped" if decon else DOCS)
     read = [S.SourceReader(plan.pieces, plan.hf_cache)] + ([S.Normalize()] if cfg.normalize else [])
-    read += [S.QualityFilter(cfg.filters), writer(first_out)]
+    read += [S.QualityFilter(cfg.filters)]
+    val_copy = [S.ValidationCopy(str(W / "val"), plan.val_fraction)] if decon else []
+    read += (val_copy if not dedup else []) + [writer(first_out)]
     if exact:
         read.append(S.ExactSignature(str(W / "exact/sigs"), finder_workers=bands))
     if near:
@@ -279,11 +281,11 @@ def _clean_stages(plan: Plan) -> list[Stage]:
             filt.append(ExactDedupFilter(str(W / "exact/dups"), config=S.exact_config()))
         if near:
             filt.append(MinhashDedupFilter(str(W / "minhash/remove")))
-        filt.append(writer("deduped" if decon else DOCS))
+        filt += val_copy + [writer("deduped" if decon else DOCS)]
         out.append(Stage("dedup", filt, P, logs / "dedup", "clean"))
     if decon:
         index = str(W / "decontam/index.npz")
-        out.append(Stage("decontam_index", [S.DecontamIndex(str(W / "deduped"), plan.language_of, index, cfg.decontam,
+        out.append(Stage("decontam_index", [S.DecontamIndex(str(W / "val"), plan.language_of, index, cfg.decontam,
                                                             plan.val_fraction, plan.eval_sources, cfg.normalize,
                                                             plan.hf_cache)], 1, logs / "decontam_index", "clean"))
         out.append(Stage("decontam", [S.RankReader(str(W / "deduped"), plan.language_of),

@@ -320,10 +320,34 @@ class FirstSeenCluster(PipelineStep):
                 json.dump({"clusters": clusters, "tasks": stats}, f)
 
 
+class ValidationCopy(PipelineStep):
+    """Passes every document on, and writes the validation ones (:func:`bnlit.data.shards.is_validation`)
+    to ``<folder>/<rank>.jsonl`` as well: the decontamination index reads only those."""
+
+    type = "💽 - WRITER"
+    name = "🎲 bnlit validation copy"
+
+    def __init__(self, folder: str, val_fraction: float):
+        super().__init__()
+        self.folder, self.val_fraction = folder, val_fraction
+
+    def run(self, data: DocumentsPipeline, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        from datatrove.pipeline.writers.jsonl import JsonlWriter
+
+        from bnlit.data.shards import is_validation
+
+        with JsonlWriter(self.folder, output_filename="${rank}.jsonl", compression=None, adapter=text_only) as w:
+            for doc in data:
+                if is_validation(doc.text, self.val_fraction):
+                    w.write(doc, rank)
+                    self.stat_update("val_docs")
+                yield doc
+
+
 class DecontamIndex(PipelineStep):
     """One task: the evaluation sets' n-gram index (:class:`bnlit.data.decontam.Decontaminator`):
-    the validation documents of every task of ``docs_folder`` (one set per language, when
-    ``against_validation``) and the evaluation files, saved to ``index_path``."""
+    the validation documents every task wrote to ``docs_folder`` (:class:`ValidationCopy`; one set
+    per language, when ``against_validation``) and the evaluation files, saved to ``index_path``."""
 
     type = "🧪 - DECONT"
     name = "🧪 bnlit decontamination index"
@@ -337,7 +361,6 @@ class DecontamIndex(PipelineStep):
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
         from bnlit.data.decontam import Decontaminator
-        from bnlit.data.shards import is_validation
 
         with self.track_time():
             decon = Decontaminator(self.cfg.ngram, self.cfg.min_overlap)
@@ -345,8 +368,7 @@ class DecontamIndex(PipelineStep):
                 reader = RankReader(self.docs_folder)
                 for r, language in enumerate(self.language_of):
                     for doc in reader.run(rank=r):
-                        if is_validation(doc.text, self.val_fraction):
-                            decon.add(f"val/{language}", doc.text)
+                        decon.add(f"val/{language}", doc.text)
             for set_name, (source, path) in self.eval_sources:
                 for text in iter_documents(source, path, cache_dir=self.cache_dir):
                     decon.add(set_name, normalize_text(text) if self.normalize else text)
@@ -664,5 +686,5 @@ def train_plan_tokenizer(plan: Plan) -> Path:
 
 def remove_intermediates(clean_dir: Path) -> None:
     """What only the cleaning stages read (filtered and deduplicated copies, signatures)."""
-    for sub in ("filtered", "deduped", "exact", "minhash"):
+    for sub in ("filtered", "deduped", "val", "exact", "minhash"):
         shutil.rmtree(clean_dir / sub, ignore_errors=True)
