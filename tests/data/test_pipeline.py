@@ -20,7 +20,7 @@ from bnlit.errors import ConfigError
 from bnlit.tokenizer import train_tokenizer
 from helpers_data import PLANTED_VAL_FRACTION, document, near_copy, plan_build, planted_corpus, planted_eval
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).parents[1]  # tests/
 GOLDEN = json.loads((HERE / "fixtures" / "planted_golden.json").read_text())
 
 

@@ -22,7 +22,7 @@ from helpers_data import planted_corpus, write_sources
 
 pytestmark = [pytest.mark.slurm]
 
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).parents[1]  # tests/, for helpers_data in the jobs
 
 
 def run(cluster, *args: str, cwd: Path, cache: Path, timeout: float = 600) -> subprocess.CompletedProcess:
