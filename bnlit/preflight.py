@@ -23,7 +23,6 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from bnlit.errors import BnlitError, ConfigError, DataError
-from bnlit.loss import loss_fn
 
 log = logging.getLogger("bnlit")
 
@@ -151,6 +150,8 @@ def check_values(cfg: DictConfig) -> None:
         raise ConfigError(f"optimizer.betas={betas}: must be two numbers in [0, 1); e.g. [0.9, 0.95]")
     loss_impl = _get(cfg, "module.loss_impl")
     if loss_impl is not None:  # a bad name, or fused at a precision where torch's op is wrong
+        from bnlit.loss import loss_fn  # here: the data-file checks serve tools that never import torch
+
         loss_fn(loss_impl, "cpu", _get(cfg, "trainer.precision"))
 
 
