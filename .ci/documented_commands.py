@@ -55,6 +55,8 @@ SMOKE: list[tuple[str, list[str], int | str]] = [
     ("production one-liner, composed", [*TRAIN, "model=400m", "trainer=h100", "--cfg", "job"], 0),
     ("production one-liner on a CPU machine", [*TRAIN, "model=400m", "trainer=h100"], r"debug=rehearsal"),
     ("hub data on a CPU machine", [*TRAIN, "model=400m", "data=bn_en_mix", "trainer=h100"], r"debug=rehearsal"),
+    ("prepared hub data on a CPU machine", [*TRAIN, "model=400m", "data=bn_web", "trainer=h100"], r"debug=rehearsal"),
+    ("data build alone", ["python", "-m", "bnlit.prepare", *SMALL[:4], "hydra.run.dir={work}/prepare"], 0),
     ("hub data without network", [*TRAIN, *SMALL[:1], "data=bn_web", "data.sources.0.max_docs=20",
                                   "hydra.run.dir={work}/hub"], r"huggingface\.co is unreachable|not cached"),
     ("rehearsal of the GPU profile", [*TRAIN, *SMALL, "model=tiny", "trainer=h100", "debug=rehearsal", "trainer.max_steps=2",

@@ -88,6 +88,14 @@ def test_checkpoint_of_another_model_shape(cli, good_run):
     assert last.read_bytes() == before
 
 
+def test_resume_of_a_run_dir_without_checkpoints_is_one_line(cli, tmp_path):
+    code, err = cli(tmp_path / "r", "ckpt_path=last")
+    assert code == 2
+    assert only_error(err) == (f"error: ckpt_path=last: no complete checkpoint in {tmp_path}/r/checkpoints; set "
+                               "hydra.run.dir to the run you want to resume")  # once (only_error: exactly one line)
+    assert not (tmp_path / "r").exists()
+
+
 def test_missing_checkpoint_file(cli, tmp_path):
     code, err = cli(tmp_path / "r", f"ckpt_path={tmp_path}/nope.ckpt")
     assert code == 2 and only_error(err).startswith(f"error: ckpt_path={tmp_path}/nope.ckpt: no such file")

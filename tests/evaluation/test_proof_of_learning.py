@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -102,8 +103,14 @@ def test_evaluate_reports_baselines_and_contamination(healthy_run, tmp_path, cap
                      "বাজায় বাঁশি। ও মা, ফাগুনে তোর আমের বনে ঘ্রাণে পাগল করে, মরি হায়, হায় রে।", encoding="utf-8")
     assert script("evaluate").main(["--checkpoint", str(ckpt), "--text", f"bn={copied}", "--text", f"en={fresh}",
                                     "--json"]) == 0
-    res = json.loads(capsys.readouterr().out)
+    printed = capsys.readouterr()
+    res = json.loads(printed.out)
     assert res["run_dir"] == str(run)
+    # progress on stderr, stage by stage, each with the seconds so far (stdout stays the JSON)
+    stages = [re.sub(r" \(\d+ s\)$", "", line) for line in printed.err.splitlines() if line.startswith("evaluate: ")]
+    assert stages[:3] == ["evaluate: reading the texts", f"evaluate: loading {ckpt}", "evaluate: the run's n-gram baselines"]
+    for stage in ("bn: 1 documents, ", "bn: the random twin", "bn: overlap with the training text", "en: the random twin"):
+        assert any(stage in s for s in stages), (stage, stages)
     for lang in ("bn", "en"):
         r = res[lang]
         for m in ("twin", "unigram", "bigram"):
