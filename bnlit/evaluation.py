@@ -122,11 +122,16 @@ def evaluate_stream(
     rank: int = 0,
     world_size: int = 1,
     metric: NLLSum | None = None,
+    pad: bool = False,
 ) -> tuple[float, int]:
     """Summed NLL (nats) and number of scored tokens of ``stream`` under ``model``.
 
     ``model(idx)`` must return logits ``(B, T, V)``. This rank scores windows ``rank::world_size``;
     pass a shared ``metric`` to accumulate across calls, and its ``compute()`` sums over ranks.
+    ``pad``: every forward is exactly ``(batch_size, seq_len)`` (a compiled model's validation
+    shape, so it never recompiles): the short last window is padded on the right, which causal
+    attention never lets earlier positions see, and a short batch with spare windows; neither is
+    scored. Without ``pad`` equal lengths are grouped and nothing is padded.
     The caller sets eval mode and any autocast; gradients are off here.
     """
     device = torch.device(device) if device is not None else next(model.parameters()).device
@@ -135,20 +140,24 @@ def evaluate_stream(
     metric = metric.to(device)
     every = windows(len(stream), seq_len)
     spans = every[rank::world_size]
-    # group equal lengths so the short last window is its own batch and nothing is padded
-    for length in sorted({n for _, n in every}, reverse=True):
-        starts = [s for s, n in spans if n == length]
+    groups = [seq_len] if pad else sorted({n for _, n in every}, reverse=True)
+    for length in groups:
+        keep = (lambda n: True) if pad else (lambda n, length=length: n == length)  # noqa: E731
+        starts = [(s, n) for s, n in spans if keep(n)]
         # under FSDP every forward is a collective (it gathers the shards): each rank makes as many
         # calls as the busiest rank, a rank with nothing left scores a spare window and drops it
-        most = max(sum(1 for _, n in every[r::world_size] if n == length) for r in range(world_size))
-        spare = next(s for s, n in every if n == length)
+        most = max(sum(1 for _, n in every[r::world_size] if keep(n)) for r in range(world_size))
+        spare = next((s, n) for s, n in every if keep(n))
         for i in range(0, most, batch_size):
             chunk = starts[i:i + batch_size]
-            x = torch.stack([stream[s:s + length] for s in chunk or [spare]]).to(device)
+            rows = chunk or [spare]
+            if pad:
+                rows = rows + [spare] * (batch_size - len(rows))
+            x = torch.stack([F.pad(stream[s:s + n], (0, length - n)) for s, n in rows]).to(device)
             logits = model(x)
-            if chunk:
-                y = torch.stack([stream[s + 1:s + length + 1] for s in chunk]).to(device)
-                metric.update(F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none"))
+            for j, (s, n) in enumerate(chunk):
+                y = stream[s + 1:s + n + 1].to(device)
+                metric.update(F.cross_entropy(logits[j, :n].float(), y, reduction="none"))
     nll, tokens = metric.compute()
     return float(nll), int(tokens)
 
@@ -238,7 +247,8 @@ class TwinSettings:
             ``None`` scores the whole slice.
         every_n_validations: score the trained model at every n-th validation (0: only at the end).
         seed: the twin's init seed.
-        batch_size: windows per forward.
+        batch_size: windows per forward; None: the data module's micro-batch (every forward is
+            padded to it and the sequence length: a compiled model reuses validation's graph).
         init_tolerance: warn when the twin's NLL is further than this (relative) from ln(V).
         learning_after_steps: from this step on, warn when the trained model is not below its twin or
             its unigram (the default run is at the unigram's level at step 100: 3.534 vs 3.525 bits/char).
@@ -251,7 +261,7 @@ class TwinSettings:
     max_tokens: int | None = 16384
     every_n_validations: int = 1
     seed: int = 1234
-    batch_size: int = 8
+    batch_size: int | None = None
     init_tolerance: float = 0.15
     learning_after_steps: int = 200
     languages: Sequence[str] | None = None
@@ -261,8 +271,8 @@ class TwinSettings:
     def __post_init__(self):
         if self.max_tokens is not None and self.max_tokens < 2:
             raise ConfigError(f"callbacks.random_twin.max_tokens={self.max_tokens}: must be >= 2 or null (whole slice)")
-        if self.every_n_validations < 0 or self.batch_size < 1 or self.init_tolerance <= 0:
-            raise ConfigError("callbacks.random_twin: every_n_validations must be >= 0, batch_size >= 1 "
+        if self.every_n_validations < 0 or (self.batch_size or 1) < 1 or self.init_tolerance <= 0:
+            raise ConfigError("callbacks.random_twin: every_n_validations must be >= 0, batch_size >= 1 or null "
                               "and init_tolerance > 0")
         self.languages = list(self.languages) if self.languages else None
 
@@ -305,7 +315,7 @@ def score_slices(model: nn.Module, slices: dict[str, tuple[np.ndarray, int, int]
             out = {}
             for lang, (stream, chars, nbytes) in slices.items():
                 nll, tokens = evaluate_stream(model, stream, seq_len, batch_size, device, rank=rank,
-                                              world_size=world_size, metric=NLLSum())
+                                              world_size=world_size, metric=NLLSum(), pad=True)
                 out[lang] = EvalResult(nll, tokens, chars, nbytes)
     finally:
         model.train(was_training)

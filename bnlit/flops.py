@@ -57,21 +57,29 @@ def training_memory_bytes(
     }
 
 
-def parity_probe_memory_bytes(cfg: ModelConfig, probe_samples: int, probe_seq_len: int) -> dict[str, int]:
+def parity_probe_memory_bytes(cfg: ModelConfig, probe_samples: int, probe_seq_len: int,
+                              micro_batch: int | None = None, seq_len: int | None = None,
+                              activation_checkpointing: bool = False) -> dict[str, int]:
     """An upper bound on one device's peak memory while the gradient-flow arbiter's fast-path
-    parity probe runs (``bnlit.gradient_flow.fast_path_parity`` on ``probe_samples`` sequences of
-    ``probe_seq_len`` tokens), for sizing ``callbacks.gradient_flow.probe_*``.
+    parity probe runs (``bnlit.gradient_flow.fast_path_parity``), for sizing
+    ``callbacks.gradient_flow.probe_*``.
 
     The probe runs after the training backward (its activations are freed) and before the
-    optimizer step: the fp32 weights, gradients and AdamW moments stay (16 bytes per parameter);
-    the fast path's and the reference's gradients are kept for the comparison (8 bytes per
-    parameter); the reference pass runs in fp32 with math attention, which stores the ``n_head x
-    T x T`` softmax per layer (the term flash attention avoids) -- per token and layer at most
-    ``4 * (10 * dim + 4 * ffn_hidden + 2 * n_head * T)`` bytes, plus fp32 logits, log-softmax and
-    their gradient (12 bytes per vocab entry per token); the comparison upcasts one parameter pair
-    to fp64 at a time (16 bytes per element of the largest). Checked against a tensor-by-tensor
-    count of the probe (real tensors at a small size, ``FakeTensorMode`` at ``400m``) in
-    ``tests/test_gradient_flow_categories.py``.
+    optimizer step, in two passes. The reference pass, eager fp32 on ``probe_samples`` sequences of
+    ``probe_seq_len`` tokens: the fp32 weights, gradients and AdamW moments stay (16 bytes per
+    parameter); the fast path's and the reference's gradients are kept for the comparison (8 bytes
+    per parameter); math attention stores the ``n_head x T x T`` softmax per layer (the term flash
+    attention avoids) -- per token and layer at most ``4 * (10 * dim + 4 * ffn_hidden + 2 * n_head
+    * T)`` bytes, plus fp32 logits, log-softmax and their gradient (12 bytes per vocab entry per
+    token); the comparison upcasts one parameter pair to fp64 at a time (16 bytes per element of
+    the largest). Checked against a tensor-by-tensor count of the probe (real tensors at a small
+    size, ``FakeTensorMode`` at ``400m``) in ``tests/test_gradient_flow_categories.py``.
+
+    The fast pass runs the training micro-batch (``micro_batch x seq_len``, the slice's targets
+    only counted: the compiled graph of the steps, no recompile): a training step's memory
+    (:func:`training_memory_bytes`, an estimate) plus its own copy of the gradients (4 bytes per
+    parameter). Without ``micro_batch`` it runs the slice and stays inside the reference's bound.
+    ``total`` is the larger pass.
     """
     n = param_counts(cfg)["n_params"]
     tokens = probe_samples * probe_seq_len
@@ -81,11 +89,17 @@ def parity_probe_memory_bytes(cfg: ModelConfig, probe_samples: int, probe_seq_le
     activations = cfg.n_layer * per_layer * tokens
     logits = 12 * cfg.vocab_size * tokens
     compare = 16 * max(cfg.vocab_size * cfg.dim, cfg.dim * cfg.ffn_hidden)
+    reference = states + grads + activations + logits + compare
+    fast = 0
+    if micro_batch:
+        fast = training_memory_bytes(cfg, seq_len or probe_seq_len, micro_batch, activation_checkpointing)["total"] + 4 * n
     return {
         "weights_grads_optimizer": states,
         "probe_gradients": grads,
         "activations": activations,
         "logits": logits,
         "compare": compare,
-        "total": states + grads + activations + logits + compare,
+        "reference_pass": reference,
+        "fast_pass": fast,
+        "total": max(reference, fast),
     }
