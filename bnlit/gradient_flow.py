@@ -123,7 +123,7 @@ def _classify(tensors: Sequence[torch.Tensor]) -> tuple[list[float], list[bool],
 # ----------------------------------------------------------------------------------------------
 # 1. gradient flow
 
-VANISHING_FACTOR = 1e6  # see GradientFlowReport: healthy spreads measured in the README stay below 1e3
+VANISHING_FACTOR = 1e6  # see GradientFlowReport: healthy spreads measured in docs/gradient-flow.md stay below 1e3
 DEAD_ROW_SHARE = 0.5
 CATEGORIES = ("missing", "nonfinite", "zero", "vanishing", "dead_rows", "frozen_in_optimizer")
 
@@ -180,7 +180,7 @@ class GradientFlowReport:
     ``vanishing``: ``{name: ratio / median}`` for a parameter whose gradient-to-weight norm ratio
     ``||g|| / ||w||`` is ``vanishing_factor`` (1e6) or more times below the median over all checked
     parameters (``vanishing_median``; parameters with a zero weight norm are not judged). Healthy
-    models spread this ratio over < 1e3 (README); a gradient scaled down by a broken kernel or an
+    models spread this ratio over < 1e3 (docs/gradient-flow.md); a gradient scaled down by a broken kernel or an
     underflowing cast is 1e6-1e12 below.
 
     ``dead_rows``: ``{name: share}`` for a matrix (``ndim >= 2``) in which ``dead_row_share``
@@ -899,7 +899,7 @@ def fast_path_parity(
         batch: the probe batch, passed to ``loss_fn(batch) -> scalar loss`` -- the module's own
             training loss (``pl_module.loss_for_batch``); :func:`slice_batch` cuts it down.
         fast_context: the training forward context (``trainer.precision_plugin.forward_context()``).
-        min_cosine, max_rel_norm_error: per-parameter tolerances; see the README for the bf16
+        min_cosine, max_rel_norm_error: per-parameter tolerances; see docs/gradient-flow.md for the bf16
             figures they were chosen from.
         reduce: all-reduce across ranks (each rank probes its own batch; the worst rank decides).
         fast_batch: what the fast path runs instead of ``batch`` (the same loss at another shape:

@@ -44,18 +44,34 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def shard(model: nn.Module, mesh) -> None:
+def mixed_precision_policy(precision: str):
+    """FSDP2's ``MixedPrecisionPolicy`` for a run's ``trainer.precision``: under bf16 the unsharded
+    parameters are all-gathered in bf16 (half the traffic of fp32, and autocast finds them in bf16
+    already) and gradients are reduce-scattered in fp32 (a sum over ranks in bf16 loses the low
+    bits of every rank's contribution); the sharded parameters and optimizer states stay fp32.
+    Any other precision all-gathers and reduces in the parameters' own dtype (torchtitan's
+    ``mixed_precision_param``/``mixed_precision_reduce`` defaults are the same pair)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if "bf16" in str(precision):
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def shard(model: nn.Module, mesh, mp_policy=None) -> None:
     """FSDP2 (``fully_shard``) as torchtitan applies it: each transformer block is one unit (its
     parameters are gathered just before it runs and freed after), the root holds the embeddings,
     final norm and the (tied) head. Compile the blocks first (:func:`bnlit.compile.compile_model`),
     so the compiled graphs contain no collectives. Lightning's mesh is (data_parallel = nodes, tensor_parallel =
     devices per node); bnlit has no tensor parallelism, so sharding over that 2-D mesh is HSDP:
-    sharded within a node, replicated across nodes. On one node it is plain FSDP."""
-    from torch.distributed.fsdp import fully_shard
+    replicated across nodes (mesh dim 0), sharded within a node (dim 1). On one node it is plain
+    FSDP. ``mp_policy``: :func:`mixed_precision_policy` (None: torch's default, no casts)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    mp_policy = mp_policy or MixedPrecisionPolicy()
     for block in model.layers:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, mp_policy=mp_policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
 
 
 def pad_rows(batch, rows: int | None):
@@ -137,7 +153,8 @@ class LMModule(L.LightningModule):
             compile_model(self.model, self.fullgraph)
         mesh = self.device_mesh  # set by ModelParallelStrategy (trainer=fsdp), None otherwise
         if mesh is not None:
-            shard(self.model, mesh)
+            precision = str(self.trainer.precision) if self._trainer is not None else "32-true"
+            shard(self.model, mesh, mp_policy=mixed_precision_policy(precision))
         self._configured = True
 
     def warn_recompiles(self) -> None:
@@ -164,7 +181,7 @@ class LMModule(L.LightningModule):
         """The training loss of one ``(x, y)`` batch, nothing logged: the model's own loss (in
         the compiled graph when compiled) with this run's document mask and ``loss_impl``.
         ``training_step`` and the gradient-flow arbiter's fast-path parity probe both call it, so
-        the probe checks the loss that trains (README, "Gradient flow (the arbiter)"). ``model``
+        the probe checks the loss that trains (docs/gradient-flow.md). ``model``
         (default ``self.model``) runs the same loss on another copy of the weights."""
         x, y = batch
         return (model or self.model)(x, y, mask=self.attention_mask(x))

@@ -66,7 +66,7 @@ class GradientFlowArbiter(Callback):
         if self.settings.fast_path_parity and not callable(getattr(pl_module, gf.PROBE_HOOK, None)) \
                 and trainer.is_global_zero:
             log.info("fast-path parity: skipped, %s has no %s(batch) -> loss hook "
-                     "(see the README, \"Gradient flow (the arbiter)\")", type(pl_module).__name__, gf.PROBE_HOOK)
+                     "(see docs/gradient-flow.md)", type(pl_module).__name__, gf.PROBE_HOOK)
         findings, payload = gf.membership_verdict(pl_module.named_parameters(), trainer.optimizers, self.settings.allow,
                                                   self._reduce(trainer), pl_module.device)
         if findings:
