@@ -201,3 +201,39 @@ def test_batched_multiple_choice_is_one_at_a_time_at_one_shape():
     # with the document mask (one document per row): the same scores, the validation graph's inputs
     masked = continuation_logprobs(m.inner, pairs, EOS, max_len=48, batch_size=3, masked=True)
     assert masked == pytest.approx(batched, rel=1e-5)
+
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+COUNT = "torch.compile: 4 graphs (train 2, eval 2), 0 recompiles"
+
+
+@pytest.mark.slow
+def test_h100_rehearsal_compiles_each_graph_once_through_validation_checkpoint_resume_and_probe(tmp_path, cache_dir):
+    """``model=tiny trainer=h100 debug=rehearsal``: a validation before the first step, 4 steps of
+    16 micro-batches, the parity probe at step 1 on a slice smaller than the micro-batch, validations
+    with the random twin and a multiple-choice task at steps 2 and 4, checkpoints at 2 and 4; then
+    a resume from step 2 in a new process. Each process compiles the block and the loss once for
+    training and once for evaluation (4 graphs) and never again: no recompile, no warning."""
+    from test_rehearsal import metric, run_cli
+
+    extra = ("model=tiny", "trainer=h100", "debug=rehearsal", "callbacks.gradient_flow.probe_samples=1",
+             "callbacks.gradient_flow.probe_seq_len=32",
+             f"+callbacks.multiple_choice.tasks.small={FIXTURES / 'multiple_choice_small.jsonl'}")
+    run = tmp_path / "first" / "run"
+    out = run_cli(run, *extra)
+    assert out.returncode == 0, out.stderr[-4000:]
+    log = (run / "train.log").read_text()
+    assert "fast-path parity (bf16-mixed, compiled): 20/20" in log
+    assert sorted(metric(run, "val/loss")) == [0, 2, 4] and metric(run, "twin/bn_nll_gap")
+    assert metric(run, "multiple_choice/small_acc_norm")
+    assert COUNT in log and "recompiled" not in log, [l for l in log.splitlines() if "compile" in l]
+    assert COUNT in (run / "summary.md").read_text()
+
+    resumed = tmp_path / "resumed" / "run"
+    (resumed / "checkpoints").mkdir(parents=True)
+    (resumed / "checkpoints" / "last.ckpt").write_bytes((run / "checkpoints" / "step0000002.ckpt").read_bytes())
+    out = run_cli(resumed, *extra, "ckpt_path=last")
+    assert out.returncode == 0, out.stderr[-4000:]
+    log = (resumed / "train.log").read_text()
+    assert sorted(metric(resumed, "train/loss")) == [2, 3]
+    assert COUNT in log and "recompiled" not in log, [l for l in log.splitlines() if "compile" in l]
