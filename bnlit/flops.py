@@ -1,12 +1,22 @@
 """FLOPs and memory accounting from the model config alone (no weights, no device).
 
-``flops_per_token`` follows PaLM (Chowdhery et al. 2022, appendix B): 6 FLOPs per matmul
-parameter per token for forward+backward, plus 12 * n_layer * n_head * head_dim * seq_len for the
-attention scores and the weighted sum. Like PaLM and ``torch.utils.flop_counter`` it counts the
-full T x T score matrix, causal mask or not, so MFU figures compare with published ones.
+Two conventions, both logged (``bnlit.throughput``):
+
+- **MFU, PaLM's convention** (:func:`flops_per_token`; Chowdhery et al. 2022, appendix B): 6 FLOPs
+  per matmul parameter per token for forward+backward, plus 12 * n_layer * n_head * head_dim *
+  seq_len for the attention scores and the weighted sum. Like PaLM and ``torch.utils.flop_counter``
+  it counts the full T x T score matrix, causal mask or not, so MFU figures compare with
+  published ones.
+- **HFU, what the hardware computes** (:func:`hardware_flops`): the attention term counts only the
+  query-key pairs the causal and document masks let through (:func:`attended_pairs`: T(T+1)/2 per
+  window for causal attention, the sum of d(d+1)/2 over its documents with the document mask), and
+  activation checkpointing's recomputed forward of every block is added. Causal attention alone
+  roughly halves the attention term; short documents cut it further.
 """
 
 from __future__ import annotations
+
+import torch
 
 from bnlit.model import ModelConfig
 
@@ -30,6 +40,29 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     """Training FLOPs (forward + backward) per token at context length ``seq_len``."""
     return 6 * matmul_params(cfg) + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * seq_len
+
+
+def attended_pairs(idx: torch.Tensor, eos_id: int | None = None) -> torch.Tensor:
+    """The (query, key) pairs attention computes for the windows ``idx`` (B, T): each query sees
+    the keys from its document's start (an ``eos`` opens a document, :mod:`bnlit.document_masking`)
+    or, with ``eos_id`` None, from the window's start, up to itself. A 0-dim tensor on ``idx``'s
+    device: accumulating it costs no host read."""
+    T = idx.shape[1]
+    pos = torch.arange(T, device=idx.device)
+    if eos_id is None:
+        return torch.tensor(idx.shape[0] * T * (T + 1) // 2, device=idx.device)
+    starts = torch.where(idx == eos_id, pos, 0).cummax(dim=1).values
+    return (pos - starts + 1).sum()
+
+
+def hardware_flops(cfg: ModelConfig, tokens: int, pairs: float, activation_checkpointing: bool = False) -> float:
+    """Training FLOPs the hardware does for ``tokens`` tokens whose attention computes ``pairs``
+    (query, key) pairs (:func:`attended_pairs`): 6 per matmul parameter per token, 12 * n_layer *
+    head_dim * n_head per pair, and with activation checkpointing the blocks' forward again (2 per
+    block matmul parameter per token, 4 * n_layer * n_head * head_dim per pair)."""
+    attention = cfg.n_layer * cfg.n_head * cfg.head_dim
+    recompute = 2 * (matmul_params(cfg) - cfg.dim * cfg.vocab_size) * tokens + 4 * attention * pairs
+    return 6 * matmul_params(cfg) * tokens + 12 * attention * pairs + (recompute if activation_checkpointing else 0)
 
 
 def training_memory_bytes(
