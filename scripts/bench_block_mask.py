@@ -75,12 +75,13 @@ def child(variant: str, batch: int, seq_len: int, builds: int, device: str) -> d
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--seq-len", type=int, default=2048)
-    ap.add_argument("--builds", type=int, default=5)
-    ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--variants", type=lambda v: v.split(","), default=list(VARIANTS))
+    ap.add_argument("--batch-size", type=int, default=16, help="windows per micro-batch (trainer=h100: 16)")
+    ap.add_argument("--seq-len", type=int, default=2048, help="tokens per window")
+    ap.add_argument("--builds", type=int, default=5, help="timed builds per process, after an untimed first")
+    ap.add_argument("--reps", type=int, default=2, help="alternated repetitions of every variant")
+    ap.add_argument("--device", default="cpu", help="where the mask is built (cuda on a GPU machine)")
+    ap.add_argument("--variants", type=lambda v: v.split(","), default=list(VARIANTS),
+                    help=f"comma-separated, of {', '.join(VARIANTS)}")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:

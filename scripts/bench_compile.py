@@ -105,12 +105,13 @@ def weights_bytes(preset: str) -> int:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", type=lambda v: v.split(","), default=["400m", "1b"])
-    ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--batch-size", type=int, default=1)
+    ap.add_argument("--models", type=lambda v: v.split(","), default=["400m", "1b"],
+                    help="presets, comma-separated (conf/model/<name>.yaml)")
+    ap.add_argument("--seq-len", type=int, default=128, help="tokens per window (compile time does not depend on it)")
+    ap.add_argument("--batch-size", type=int, default=1, help="windows per step")
     ap.add_argument("--steps", type=int, default=3, help="timed steps after the first")
     ap.add_argument("--reps", type=int, default=2, help="alternated repetitions of each variant")
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads of each child")
     ap.add_argument("--memory-factor", type=float, default=3.0,
                     help="skip a preset unless available memory >= this x its fp32 weights + 2 GiB")
     ap.add_argument("--child", nargs=2, metavar=("PRESET", "VARIANT"), help=argparse.SUPPRESS)
