@@ -16,12 +16,13 @@ import torch.nn as nn
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_warn
 
-from bnlit import document_masking, sdpa
-from bnlit.compile import CompileWatch, compile_loss, compile_model, recompile_warning
+from bnlit import document_masking
+from bnlit.speed import sdpa
+from bnlit.speed.compile import CompileWatch, compile_loss, compile_model, recompile_warning
 from bnlit.errors import BnlitError
-from bnlit.fast_path import describe_fast_path
+from bnlit.speed.fast_path import describe_fast_path
 from bnlit.loss import IGNORE_INDEX, loss_fn, logits_loss
-from bnlit.run_report import log_metrics
+from bnlit.loggers import log_metrics
 from bnlit.tokenizer import EOS_ID
 
 log = logging.getLogger("bnlit")
@@ -61,7 +62,7 @@ def mixed_precision_policy(precision: str):
 def shard(model: nn.Module, mesh, mp_policy=None) -> None:
     """FSDP2 (``fully_shard``) as torchtitan applies it: each transformer block is one unit (its
     parameters are gathered just before it runs and freed after), the root holds the embeddings,
-    final norm and the (tied) head. Compile the blocks first (:func:`bnlit.compile.compile_model`),
+    final norm and the (tied) head. Compile the blocks first (:func:`bnlit.speed.compile.compile_model`),
     so the compiled graphs contain no collectives. Lightning's mesh is (data_parallel = nodes, tensor_parallel =
     devices per node); bnlit has no tensor parallelism, so sharding over that 2-D mesh is HSDP:
     replicated across nodes (mesh dim 0), sharded within a node (dim 1). On one node it is plain
@@ -90,11 +91,11 @@ class LMModule(L.LightningModule):
     model: the transformer (``forward(idx, targets, mask) -> loss``; without targets, logits).
     optimizer: partial optimizer taking param groups (its ``weight_decay`` applies to matrices).
     scheduler: partial scheduler taking the optimizer, or None for a constant LR.
-    compile: ``torch.compile`` each transformer block and the loss (:func:`bnlit.compile.compile_model`;
+    compile: ``torch.compile`` each transformer block and the loss (:func:`bnlit.speed.compile.compile_model`;
         parameter names are kept; under FSDP2 before the blocks are sharded), and watch for
-        recompiles (:class:`bnlit.compile.CompileWatch`: a warning with Dynamo's reason).
+        recompiles (:class:`bnlit.speed.compile.CompileWatch`: a warning with Dynamo's reason).
     fullgraph: require a single graph when compiling.
-    sdpa_backend: CUDA attention kernels (``bnlit.sdpa``): ``auto`` lets PyTorch pick; ignored on CPU.
+    sdpa_backend: CUDA attention kernels (``bnlit.speed.sdpa``): ``auto`` lets PyTorch pick; ignored on CPU.
     loss_impl: the output head's loss (``bnlit.loss``): ``plain``, ``chunked`` or ``fused`` (torch's
         ``F.linear_cross_entropy``, fp32 precision only).
     document_masking: attend only within a document of a packed window (``bnlit.document_masking``).
@@ -114,7 +115,7 @@ class LMModule(L.LightningModule):
         super().__init__()
         sdpa.validate(sdpa_backend)
         # refused here, before the data module builds anything: a bad name, fused on a torch without it
-        # (fused at a precision where it is wrong: bnlit.validate, and configure_model below)
+        # (fused at a precision where it is wrong: bnlit.preflight, and configure_model below)
         loss_fn(loss_impl, "cuda" if torch.cuda.is_available() else "cpu")
         self.model = model
         self.optimizer_factory = optimizer
@@ -159,7 +160,7 @@ class LMModule(L.LightningModule):
 
     def warn_recompiles(self) -> None:
         """A warning with Dynamo's reason for each recompile since the last call (none expected
-        after the first step of each kind: ``bnlit.compile``)."""
+        after the first step of each kind: ``bnlit.speed.compile``)."""
         for event in self.compile_watch.poll() if self.compile_watch is not None else ():
             message = recompile_warning(event)
             rank_zero_warn(message)
@@ -239,7 +240,7 @@ class LMModule(L.LightningModule):
     def validation_step(self, batch, batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
         x, y = batch
         # a short last batch padded to the micro-batch (rows whose targets count for nothing), so a
-        # compiled model validates with the one graph of its shape (bnlit.compile)
+        # compiled model validates with the one graph of its shape (bnlit.speed.compile)
         loss = self.loss_for_batch(pad_rows(batch, getattr(self.trainer.datamodule, "batch_size", None)))
         names = getattr(self.trainer.datamodule, "val_languages", None) if self.trainer.datamodule else None
         name = names[dataloader_idx] if names else str(dataloader_idx)

@@ -23,7 +23,7 @@ CUDA: ``trainer=h100`` as configured (``400m`` at seq 2048, micro-batch 16, accu
 bf16-mixed, per-block compile, fused AdamW, the parity probe) on the data module's shards, built
 on the CPU before the model reaches the device; a few warm-up and ``--steps`` timed optimizer
 steps; prints tokens/s, MFU (PaLM convention) and HFU, the peak allocated memory against
-``bnlit.flops.training_memory_bytes``, the parity verdict and the compile count. A micro-batch that
+``bnlit.speed.flops.training_memory_bytes``, the parity verdict and the compile count. A micro-batch that
 does not fit is halved and the accumulation doubled (the figure says which ran).
 """
 
@@ -48,17 +48,18 @@ from omegaconf import DictConfig, open_dict
 
 import bnlit.resolvers  # noqa: F401
 from bnlit import CONF_DIR
-from bnlit.checkpointing import Interrupted
+from bnlit.interrupt import Interrupted
+from bnlit.speed.flops import flops_per_token, training_memory_bytes
 from bnlit.document_masking import document_mask
 from bnlit.errors import ConfigError
-from bnlit.flops import flops_per_token, training_memory_bytes
-from bnlit.host_malloc import KEEP_BYTES, keep_freed_memory
+from bnlit.speed.flops import flops_per_token, training_memory_bytes
+from bnlit.speed.host_malloc import KEEP_BYTES, keep_freed_memory
 from bnlit.loss import loss_fn
 from bnlit.module import param_groups
-from bnlit.throughput import precision_dtype, resolve_peak
+from bnlit.speed.throughput import precision_dtype, resolve_peak
 from bnlit.tokenizer import EOS_ID
 from bnlit.train import instantiate_group
-from bnlit.validate import validate_config
+from bnlit.preflight import check_config
 
 
 def arbiter_available() -> tuple[bool, str | None]:
@@ -245,9 +246,9 @@ def cpu_variants(masking_on: bool, have_arbiter: bool) -> dict[str, list[str]]:
 
 
 def refusal(cfg: DictConfig) -> str | None:
-    """The one line the trainer would refuse ``cfg`` with (``bnlit.validate``), or None."""
+    """The one line the trainer would refuse ``cfg`` with (``bnlit.preflight``), or None."""
     try:
-        validate_config(cfg)
+        check_config(cfg)
     except ConfigError as e:
         return str(e)
     return None

@@ -12,7 +12,7 @@ CPU precision: bf16-mixed autocast on a CPU with native bf16, else fp32) and tim
 - ``step_s``: the median forward+backward of ``--steps`` more, after that warm-up (and
   ``step_cpu_s``);
 - ``compile_s``: Dynamo's own account of its compile time (forward and backward graphs);
-- ``graphs``: the graphs compiled (:class:`bnlit.compile.CompileWatch`).
+- ``graphs``: the graphs compiled (:class:`bnlit.speed.compile.CompileWatch`).
 
 The backward computes every gradient but keeps none (``torch.autograd.grad`` of one small
 parameter): ``1b``'s fp32 gradients alone would be 4 GiB more on a shared machine, and what is
@@ -50,7 +50,7 @@ def child(preset: str, per_block: bool, seq_len: int, batch_size: int, steps: in
     from omegaconf import OmegaConf
 
     from bnlit import CONF_DIR
-    from bnlit.compile import CompileWatch, compile_model
+    from bnlit.speed.compile import CompileWatch, compile_model
     from bnlit.document_masking import document_mask
     from bnlit.loss import chunked_loss
     from bnlit.model import Transformer
@@ -97,7 +97,7 @@ def weights_bytes(preset: str) -> int:
     from omegaconf import OmegaConf
 
     from bnlit import CONF_DIR
-    from bnlit.flops import param_counts
+    from bnlit.speed.flops import param_counts
 
     cfg = instantiate(OmegaConf.load(Path(CONF_DIR) / "model" / f"{preset}.yaml").model.config)
     return 4 * param_counts(cfg)["n_params"]

@@ -25,7 +25,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from bnlit import CONF_DIR, fertility
+from bnlit import CONF_DIR
+from bnlit.checks import fertility
 from bnlit.errors import BnlitError, ConfigError
 from bnlit.tokenizer import NORMALIZATION_RULES, Tokenizer, sample_by_language, train_tokenizer
 

@@ -1,0 +1,82 @@
+"""How many intra-op threads torch uses on CPU, chosen from the cores and the load.
+
+On a quiet machine every core helps. On a machine whose cores are already busy with other jobs,
+each extra OpenMP thread waits at every barrier for a core the scheduler gives to someone else,
+and a step slows by far more than the load ratio (docs/getting-started.md "Threads and load": paired
+``scripts/bench_threads.py`` figures). ``threads: auto`` therefore asks for the cores that are
+idle now, at least one; an integer pins the count.
+
+**The callback** (``bnlit.callbacks.threads``). ``ThreadsFollowLoad``: with ``threads: auto``, re-choose torch's CPU thread count during the run
+as the machine's load changes (:func:`bnlit.speed.threads.rechoose_threads`), not only at start.
+
+The start-time choice (:func:`bnlit.speed.threads.set_threads`) sees the load of a moment; a run that
+started on an idle machine keeps every core when other jobs arrive, and each extra OpenMP thread
+then waits at every barrier for a core another job holds (docs/getting-started.md "Threads and load": 2 threads
+1.8-2.0x slower than 1 at a load of 7-30 on 2 cores). Every ``every_n_steps`` optimizer steps this
+callback reads the 1-minute load average and applies the new count when it differs, logging the
+change and why. A pinned ``threads=N``, a non-CPU accelerator or an OS without a load average:
+nothing to do.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+
+import torch
+
+from bnlit.errors import ConfigError
+
+log = logging.getLogger("bnlit")
+
+
+def available_cpus() -> int:
+    """Cores this process may run on (its affinity mask, e.g. under SLURM or taskset)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def load_average() -> float | None:
+    """The 1-minute load average, or None where the OS has none."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def choose_threads(setting: int | str, cpus: int, load: float | None) -> tuple[int, str]:
+    """``(threads, why)`` for ``threads=setting`` on ``cpus`` cores at 1-minute ``load``.
+
+    ``auto``: the idle cores, ``cpus - load`` rounded to the nearest integer, between 1 and ``cpus``
+    (all of them when the load is unknown).
+    """
+    if setting == "auto":
+        if load is None:
+            return cpus, f"auto: {cpus} cores, load average unknown"
+        idle = max(1, min(cpus, math.floor(cpus - load + 0.5)))
+        return idle, f"auto: {cpus} cores, load average {load:.2f} leaves {idle} idle"
+    if isinstance(setting, int) and not isinstance(setting, bool) and setting >= 1:
+        return setting, "set by threads"
+    raise ConfigError(f"threads={setting!r}: use auto or an integer >= 1, e.g. threads=1 on a busy machine")
+
+
+def rechoose_threads(cpus: int, load: float, current: int) -> tuple[int, str]:
+    """``(threads, why)`` for a running ``threads: auto`` process that uses ``current`` threads at
+    1-minute ``load``. Its own busy threads are part of the load, so the other jobs' share is
+    ``load - current``; the idle cores are what is left of ``cpus``, rounded, between 1 and ``cpus``.
+    (Without that correction a quiet machine would read its own 2 threads as 2 busy cores and
+    drop to 1.)"""
+    others = max(0.0, load - current)
+    idle = max(1, min(cpus, math.floor(cpus - others + 0.5)))
+    return idle, f"auto: {cpus} cores, load average {load:.2f} of which ~{others:.1f} other jobs leaves {idle} idle"
+
+
+def set_threads(setting: int | str) -> int:
+    """Apply :func:`choose_threads` to torch and log the choice with the load; returns the count."""
+    n, why = choose_threads(setting, available_cpus(), load_average())
+    torch.set_num_threads(n)
+    log.info("threads: %d (%s)", n, why)
+    return n
