@@ -122,16 +122,11 @@ def evaluate_stream(
     rank: int = 0,
     world_size: int = 1,
     metric: NLLSum | None = None,
-    pad: bool = False,
 ) -> tuple[float, int]:
     """Summed NLL (nats) and number of scored tokens of ``stream`` under ``model``.
 
     ``model(idx)`` must return logits ``(B, T, V)``. This rank scores windows ``rank::world_size``;
     pass a shared ``metric`` to accumulate across calls, and its ``compute()`` sums over ranks.
-    ``pad``: every forward is exactly ``(batch_size, seq_len)`` (a compiled model's validation
-    shape, so it never recompiles): the short last window is padded on the right, which causal
-    attention never lets earlier positions see, and a short batch with spare windows; neither is
-    scored. Without ``pad`` equal lengths are grouped and nothing is padded.
     The caller sets eval mode and any autocast; gradients are off here.
     """
     device = torch.device(device) if device is not None else next(model.parameters()).device
@@ -140,24 +135,20 @@ def evaluate_stream(
     metric = metric.to(device)
     every = windows(len(stream), seq_len)
     spans = every[rank::world_size]
-    groups = [seq_len] if pad else sorted({n for _, n in every}, reverse=True)
-    for length in groups:
-        keep = (lambda n: True) if pad else (lambda n, length=length: n == length)  # noqa: E731
-        starts = [(s, n) for s, n in spans if keep(n)]
+    # group equal lengths so the short last window is its own batch and nothing is padded
+    for length in sorted({n for _, n in every}, reverse=True):
+        starts = [s for s, n in spans if n == length]
         # under FSDP every forward is a collective (it gathers the shards): each rank makes as many
         # calls as the busiest rank, a rank with nothing left scores a spare window and drops it
-        most = max(sum(1 for _, n in every[r::world_size] if keep(n)) for r in range(world_size))
-        spare = next((s, n) for s, n in every if keep(n))
+        most = max(sum(1 for _, n in every[r::world_size] if n == length) for r in range(world_size))
+        spare = next(s for s, n in every if n == length)
         for i in range(0, most, batch_size):
             chunk = starts[i:i + batch_size]
-            rows = chunk or [spare]
-            if pad:
-                rows = rows + [spare] * (batch_size - len(rows))
-            x = torch.stack([F.pad(stream[s:s + n], (0, length - n)) for s, n in rows]).to(device)
+            x = torch.stack([stream[s:s + length] for s in chunk or [spare]]).to(device)
             logits = model(x)
-            for j, (s, n) in enumerate(chunk):
-                y = stream[s + 1:s + n + 1].to(device)
-                metric.update(F.cross_entropy(logits[j, :n].float(), y, reduction="none"))
+            if chunk:
+                y = torch.stack([stream[s + 1:s + length + 1] for s in chunk]).to(device)
+                metric.update(F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none"))
     nll, tokens = metric.compute()
     return float(nll), int(tokens)
 
@@ -315,7 +306,7 @@ def score_slices(model: nn.Module, slices: dict[str, tuple[np.ndarray, int, int]
             out = {}
             for lang, (stream, chars, nbytes) in slices.items():
                 nll, tokens = evaluate_stream(model, stream, seq_len, batch_size, device, rank=rank,
-                                              world_size=world_size, metric=NLLSum(), pad=True)
+                                              world_size=world_size, metric=NLLSum())
                 out[lang] = EvalResult(nll, tokens, chars, nbytes)
     finally:
         model.train(was_training)

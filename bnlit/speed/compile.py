@@ -5,10 +5,9 @@ its own (``module.compile: true``). The blocks are identical code, so Dynamo tra
 other block reuses its graph: a 28-layer model costs one block compile, not a 28-layer graph
 (``docs/throughput.md`` has the first-step wall times, whole model against per block). Shapes are
 static (``dynamic=False``): every forward of a run happens at one of two shapes-and-modes, the
-training micro-batch with gradients and the same shape without (validation, the random twin,
-multiple choice: :mod:`bnlit.evaluation.heldout` and :mod:`bnlit.evaluation.multiple_choice` pad to
-it; the gradient-flow parity probe runs the training shape), so a new shape would only mean a
-recompile, never a faster graph.
+training micro-batch with gradients and the same shape without (validation pads a short batch,
+:mod:`bnlit.evaluation.multiple_choice` pads its rows; the gradient-flow parity probe runs the
+training shape), so a new shape would only mean a recompile, never a faster graph.
 
 :class:`CompileWatch` counts Dynamo's compiles in this process by *kind* (``train``: gradients
 on; ``eval``: inference mode or ``no_grad``) and code (a block's ``forward``, the loss). The first

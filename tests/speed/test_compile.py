@@ -1,29 +1,23 @@
 """bnlit.speed.compile: per-block compilation equals the whole-model graph and eager execution (outputs
 and gradients), identical blocks share one graph, the watch tells a recompile from a first compile
-and names Dynamo's reason, and every evaluation path runs at the one fixed shape (the parity
-probe, a short validation batch, the twin's windows, multiple choice). The whole-run count under
-``trainer=h100 debug=rehearsal`` is the slow test at the end."""
+and names Dynamo's reason, and the evaluation paths run at the one fixed shape (the parity probe,
+a short validation batch, multiple choice)."""
 
 from __future__ import annotations
 
 import copy
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from bnlit.speed.compile import CompileWatch, compile_model, is_compiled
-from bnlit.document_masking import document_mask
-from bnlit.evaluation.heldout import evaluate_stream
-from bnlit.speed.fast_path import compile_part
 from bnlit.checks.gradient_flow import ignore_outside, slice_batch
+from bnlit.document_masking import document_mask
+from bnlit.evaluation.multiple_choice import continuation_logprob, continuation_logprobs
 from bnlit.loss import chunked_loss, plain_loss
 from bnlit.model import ModelConfig, Transformer
 from bnlit.module import pad_rows
-from bnlit.evaluation.multiple_choice import continuation_logprob, continuation_logprobs
+from bnlit.speed.compile import CompileWatch, compile_model, is_compiled
+from bnlit.speed.fast_path import compile_part
 
 EOS = 3
 
@@ -168,18 +162,6 @@ class Shapes(torch.nn.Module):
         return self.inner(x)
 
 
-def test_padded_scoring_is_unpadded_scoring_at_one_shape():
-    m = Shapes(model().eval())
-    stream = torch.randint(4, 256, (150,))  # 149 targets: windows of 32, the last one of 21
-    plain = evaluate_stream(m, stream, seq_len=32, batch_size=2)
-    assert set(m.shapes) == {(2, 32), (1, 21)}
-    m.shapes.clear()
-    padded = evaluate_stream(m, stream, seq_len=32, batch_size=2, pad=True)
-    assert set(m.shapes) == {(2, 32)}
-    assert padded[1] == plain[1] == 149
-    assert padded[0] == pytest.approx(plain[0], rel=1e-5)
-
-
 def test_batched_multiple_choice_is_one_at_a_time_at_one_shape():
     m = Shapes(model().eval())
     g = torch.Generator().manual_seed(0)
@@ -202,38 +184,3 @@ def test_batched_multiple_choice_is_one_at_a_time_at_one_shape():
     masked = continuation_logprobs(m.inner, pairs, EOS, max_len=48, batch_size=3, masked=True)
     assert masked == pytest.approx(batched, rel=1e-5)
 
-
-FIXTURES = Path(__file__).resolve().parent / "fixtures"
-COUNT = "torch.compile: 4 graphs (train 2, eval 2), 0 recompiles"
-
-
-@pytest.mark.slow
-def test_h100_rehearsal_compiles_each_graph_once_through_validation_checkpoint_resume_and_probe(tmp_path, cache_dir):
-    """``model=tiny trainer=h100 debug=rehearsal``: a validation before the first step, 4 steps of
-    16 micro-batches, the parity probe at step 1 on a slice smaller than the micro-batch, validations
-    with the random twin and a multiple-choice task at steps 2 and 4, checkpoints at 2 and 4; then
-    a resume from step 2 in a new process. Each process compiles the block and the loss once for
-    training and once for evaluation (4 graphs) and never again: no recompile, no warning."""
-    from test_rehearsal import metric, run_cli
-
-    extra = ("model=tiny", "trainer=h100", "debug=rehearsal", "callbacks.gradient_flow.probe_samples=1",
-             "callbacks.gradient_flow.probe_seq_len=32",
-             f"+callbacks.multiple_choice.tasks.small={FIXTURES / 'multiple_choice_small.jsonl'}")
-    run = tmp_path / "first" / "run"
-    out = run_cli(run, *extra)
-    assert out.returncode == 0, out.stderr[-4000:]
-    log = (run / "train.log").read_text()
-    assert "fast-path parity (bf16-mixed, compiled): 20/20" in log
-    assert sorted(metric(run, "val/loss")) == [0, 2, 4] and metric(run, "twin/bn_nll_gap")
-    assert metric(run, "multiple_choice/small_acc_norm")
-    assert COUNT in log and "recompiled" not in log, [l for l in log.splitlines() if "compile" in l]
-    assert COUNT in (run / "summary.md").read_text()
-
-    resumed = tmp_path / "resumed" / "run"
-    (resumed / "checkpoints").mkdir(parents=True)
-    (resumed / "checkpoints" / "last.ckpt").write_bytes((run / "checkpoints" / "step0000002.ckpt").read_bytes())
-    out = run_cli(resumed, *extra, "ckpt_path=last")
-    assert out.returncode == 0, out.stderr[-4000:]
-    log = (resumed / "train.log").read_text()
-    assert sorted(metric(resumed, "train/loss")) == [2, 3]
-    assert COUNT in log and "recompiled" not in log, [l for l in log.splitlines() if "compile" in l]
