@@ -13,6 +13,14 @@ once, the first token of a document after an ``eos`` as in training. The stream 
 non-overlapping windows of ``seq_len`` predictions; the last window is shorter, not padded or
 dropped. Windows can be split across ranks; the sums are ``torchmetrics`` states, reduced by sum.
 
+**Attention as in training.** A window holds several documents. A model trained with the document
+mask (``module.document_masking``, the default) is scored with it (``eos_id``): a token attends
+only to its own document, so a document scores the same alone or packed after others
+(``tests/test_evaluation.py``), which is also what a tool that scores one document at a time sees
+(Hugging Face, lm-evaluation-harness, llama.cpp). A model trained without the mask is scored with
+plain causal attention (``eos_id=None``). Multiple-choice items and generation run one document
+per forward pass, where the two are the same.
+
 **The random twin** (``bnlit.callbacks.random_twin`` is the adapter) answers two questions a loss
 curve alone does not: did the model learn anything (the trained NLL must fall below the twin's),
 and is the initialisation sane (the twin's NLL sits near ln(V)). The twin is built and scored once
@@ -38,6 +46,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torchmetrics import Metric
 
+from bnlit.document_masking import document_mask
 from bnlit.errors import ConfigError
 from bnlit.model import ModelConfig, Transformer, rope_cache
 
@@ -122,12 +131,18 @@ def evaluate_stream(
     rank: int = 0,
     world_size: int = 1,
     metric: NLLSum | None = None,
+    *,
+    eos_id: int | None,
 ) -> tuple[float, int]:
     """Summed NLL (nats) and number of scored tokens of ``stream`` under ``model``.
 
-    ``model(idx)`` must return logits ``(B, T, V)``. This rank scores windows ``rank::world_size``;
-    pass a shared ``metric`` to accumulate across calls, and its ``compute()`` sums over ranks.
-    The caller sets eval mode and any autocast; gradients are off here.
+    ``eos_id``: the token that opens each document; attention then stops at every document
+    boundary inside a window (:func:`bnlit.document_masking.document_mask`, ``model(idx,
+    mask=...)``), as training does with ``module.document_masking``. ``None``: plain causal
+    attention over the window (``model(idx)``), for a model trained without the mask. It has no
+    default so that no caller forgets it. ``model`` returns logits ``(B, T, V)``. This rank scores
+    windows ``rank::world_size``; pass a shared ``metric`` to accumulate across calls, and its
+    ``compute()`` sums over ranks. The caller sets eval mode and any autocast; gradients are off here.
     """
     device = torch.device(device) if device is not None else next(model.parameters()).device
     stream = torch.as_tensor(np.asarray(stream, dtype=np.int64))
@@ -145,7 +160,7 @@ def evaluate_stream(
         for i in range(0, most, batch_size):
             chunk = starts[i:i + batch_size]
             x = torch.stack([stream[s:s + length] for s in chunk or [spare]]).to(device)
-            logits = model(x)
+            logits = model(x) if eos_id is None else model(x, mask=document_mask(x, eos_id))
             if chunk:
                 y = torch.stack([stream[s + 1:s + length + 1] for s in chunk]).to(device)
                 metric.update(F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none"))
@@ -160,11 +175,14 @@ def evaluate_documents(
     seq_len: int,
     batch_size: int = 8,
     device: torch.device | str | None = None,
+    document_masking: bool = True,
 ) -> EvalResult:
     """Score whole documents: tokens include one ``eos`` per document; characters and bytes are
-    of the documents' text (the convention of the shard index)."""
+    of the documents' text (the convention of the shard index). ``document_masking``: as the
+    model was trained (:func:`evaluate_stream`)."""
     stream = token_stream(tokenizer.encode_batch(list(docs)), tokenizer.eos_id)
-    nll, tokens = evaluate_stream(model, stream, seq_len, batch_size, device)
+    nll, tokens = evaluate_stream(model, stream, seq_len, batch_size, device,
+                                  eos_id=tokenizer.eos_id if document_masking else None)
     return EvalResult(nll, tokens, sum(len(d) for d in docs), sum(len(d.encode("utf-8")) for d in docs))
 
 
@@ -293,9 +311,10 @@ def twin_slices(dm, languages: Sequence[str] | None, max_tokens: int | None) -> 
 
 
 def score_slices(model: nn.Module, slices: dict[str, tuple[np.ndarray, int, int]], seq_len: int, batch_size: int,
-                 rank: int = 0, world_size: int = 1, context=None) -> dict[str, EvalResult]:
+                 rank: int = 0, world_size: int = 1, context=None, *, eos_id: int | None) -> dict[str, EvalResult]:
     """:class:`EvalResult` per slice of :func:`twin_slices`, in eval mode under ``context`` (e.g.
-    the precision plugin's autocast), without touching the RNG streams; the model's mode is kept."""
+    the precision plugin's autocast), without touching the RNG streams; the model's mode is kept.
+    ``eos_id``: the document mask of training, or None for causal attention (:func:`evaluate_stream`)."""
     was_training = model.training
     device = next(model.parameters()).device
     model.eval()
@@ -305,7 +324,7 @@ def score_slices(model: nn.Module, slices: dict[str, tuple[np.ndarray, int, int]
             out = {}
             for lang, (stream, chars, nbytes) in slices.items():
                 nll, tokens = evaluate_stream(model, stream, seq_len, batch_size, device, rank=rank,
-                                              world_size=world_size, metric=NLLSum())
+                                              world_size=world_size, metric=NLLSum(), eos_id=eos_id)
                 out[lang] = EvalResult(nll, tokens, chars, nbytes)
     finally:
         model.train(was_training)

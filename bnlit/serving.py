@@ -91,8 +91,20 @@ class LlamaCppLM:
         self.llm.eval(list(ids))
         return np.array(self.llm.scores[:len(ids)], dtype=np.float32)
 
-    def __call__(self, idx: torch.Tensor) -> torch.Tensor:
-        return torch.from_numpy(np.stack([self.logits(row.tolist()) for row in idx.cpu()]))
+    def __call__(self, idx: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits ``(B, T, V)`` of the windows ``idx``. ``mask``: a boolean document mask
+        (:func:`bnlit.document_masking.document_mask`): each document of a window then runs from an
+        empty cache, so it attends to itself only. Its RoPE positions restart at 0, which changes
+        rounding only (attention scores depend on distances inside the document)."""
+        rows = []
+        for b, row in enumerate(idx.cpu().tolist()):
+            if mask is None:
+                rows.append(self.logits(row))
+                continue
+            same = mask[b, 0].diagonal(-1).cpu()  # may token i attend to token i - 1?
+            starts = [0] + [i + 1 for i in torch.nonzero(~same).flatten().tolist()] + [len(row)]
+            rows.append(np.concatenate([self.logits(row[a:z]) for a, z in zip(starts, starts[1:]) if z > a]))
+        return torch.from_numpy(np.stack(rows))
 
     def generate_greedy(self, ids: Sequence[int], max_new_tokens: int) -> list[int]:
         """The next ``max_new_tokens`` tokens by llama.cpp's own sampler at temperature 0 (argmax)."""

@@ -8,7 +8,9 @@ training data; optionally multiple-choice accuracy (lm-eval-harness ``acc_norm``
 
 A ``.txt`` file is one document per blank-line separated paragraph, a ``.jsonl`` file one
 ``{"text": ...}`` per line. Every document token and one end-of-document token per document are
-scored once, in windows of the training ``seq_len``; the n-gram baselines score the same stream.
+scored once, in windows of the training ``seq_len``, with the attention the checkpoint was trained
+with (the document mask unless it ran with ``module.document_masking=false``; ``--document-masking``
+overrides): a document scores as it would alone. The n-gram baselines score the same stream.
 The run directory (default: the checkpoint's ``<run dir>/checkpoints/..``) supplies the baselines
 (``baselines/ngram_<lang>.npz``, or counted from the run's training shards) and the cleaned
 training text the contamination is measured against: the share of the file's distinct 13-word
@@ -38,7 +40,8 @@ from bnlit.errors import BnlitError, ConfigError
 from bnlit.evaluation import EvalResult, evaluate_stream, read_documents, token_stream, twin_model
 from bnlit.ngram import BASELINES, count_shards, load_baselines
 
-RESERVED = ("vocab_size", "ln_vocab", "checkpoint", "step", "seq_len", "multiple_choice", "run_dir", "baselines")
+RESERVED = ("vocab_size", "ln_vocab", "checkpoint", "step", "seq_len", "document_masking", "multiple_choice", "run_dir",
+            "baselines")
 FIELDS = ("nll_per_token", "perplexity", "bits_per_char", "bits_per_byte")
 BASELINE_FIELDS = ("nll_per_token", "bits_per_char", "bits_per_byte")
 
@@ -103,18 +106,20 @@ def contamination(texts: list[str], run_dir: Path | None, name: str) -> dict:
         return {"unknown": str(e)}
 
 
-def score(model, stream, seq_len: int, batch_size: int, device, chars: int, nbytes: int) -> EvalResult:
-    nll, tokens = evaluate_stream(model, stream, seq_len, batch_size, device)
+def score(model, stream, seq_len: int, batch_size: int, device, chars: int, nbytes: int,
+          eos_id: int | None) -> EvalResult:
+    nll, tokens = evaluate_stream(model, stream, seq_len, batch_size, device, eos_id=eos_id)
     return EvalResult(nll, tokens, chars, nbytes)
 
 
 GGUF_FILE_TYPES = {0: "f32", 1: "f16", 7: "q8_0", 32: "bf16"}  # general.file_type (gguf.LlamaFileType)
 
 
-def score_gguf(lm, docs: list[str], seq_len: int, batch_size: int, bnlit_stream, trained: EvalResult) -> dict:
+def score_gguf(lm, docs: list[str], seq_len: int, batch_size: int, bnlit_stream, trained: EvalResult,
+               masked: bool) -> dict:
     """One language's row for a GGUF file: llama.cpp's tokens and logits, bnlit's windows."""
     stream = token_stream(lm.encode_batch(docs), lm.eos_id)
-    nll, tokens = evaluate_stream(lm, stream, seq_len, batch_size, device="cpu")
+    nll, tokens = evaluate_stream(lm, stream, seq_len, batch_size, device="cpu", eos_id=lm.eos_id if masked else None)
     r = EvalResult(nll, tokens, trained.chars, trained.bytes)
     return {"file": str(lm.path), "type": GGUF_FILE_TYPES.get(lm.file_type, str(lm.file_type)),
             **{k: getattr(r, k) for k in FIELDS}, "tokens": r.tokens,
@@ -139,6 +144,9 @@ def evaluate(args: argparse.Namespace) -> dict:
     model.to(device)
     cfg = model.config
     seq_len = args.seq_len or datamodule_state(ckpt).get("seq_len") or cfg.max_seq_len
+    # checkpoints written before the flag was saved trained with the mask (the default since it exists)
+    masked = ckpt.get("document_masking", True) if args.document_masking is None else args.document_masking
+    eos = tok.eos_id if masked else None
     if not 0 < seq_len <= cfg.max_seq_len:
         raise ConfigError(f"--seq-len {seq_len}: must be in 1..{cfg.max_seq_len} (model.config.max_seq_len)")
     ggufs = []
@@ -150,15 +158,15 @@ def evaluate(args: argparse.Namespace) -> dict:
     counts, source = run_baselines(run_dir, list(docs), tok.eos_id, cfg.vocab_size) if docs else ({}, "")
     out: dict = {"checkpoint": str(args.checkpoint), "step": ckpt.get("global_step"), "vocab_size": cfg.vocab_size,
                  "ln_vocab": math.log(cfg.vocab_size), "seq_len": seq_len,
-                 "run_dir": str(run_dir) if run_dir else None, "baselines": source}
+                 "document_masking": masked, "run_dir": str(run_dir) if run_dir else None, "baselines": source}
     for lang, d in docs.items():
         stream = token_stream(tok.encode_batch(d), tok.eos_id)
         chars, nbytes = sum(len(x) for x in d), sum(len(x.encode("utf-8")) for x in d)
-        r = score(model, stream, seq_len, args.batch_size, device, chars, nbytes)
+        r = score(model, stream, seq_len, args.batch_size, device, chars, nbytes, eos)
         row = {k: getattr(r, k) for k in FIELDS} | {"tokens": r.tokens, "chars": r.chars, "bytes": r.bytes,
                                                      "documents": len(d)}
         if twin is not None:
-            t = score(twin, stream, seq_len, args.batch_size, device, chars, nbytes)
+            t = score(twin, stream, seq_len, args.batch_size, device, chars, nbytes, eos)
             row |= {f"twin_{k}": getattr(t, k) for k in FIELDS}
             row["nll_gap"] = t.nll_per_token - r.nll_per_token
         if lang in counts:
@@ -168,7 +176,8 @@ def evaluate(args: argparse.Namespace) -> dict:
         row["beats"] = {name: row[f"{name}_bits_per_char"] > r.bits_per_char
                         for name in ("twin", *BASELINES) if f"{name}_bits_per_char" in row}
         if ggufs:
-            row["gguf"] = {str(lm.path): score_gguf(lm, d, seq_len, args.batch_size, stream, r) for lm in ggufs}
+            row["gguf"] = {str(lm.path): score_gguf(lm, d, seq_len, args.batch_size, stream, r, masked)
+                           for lm in ggufs}
         if args.contamination:
             row["contamination"] = contamination(d, run_dir, f"--text {lang}")
         out[lang] = row
@@ -200,7 +209,9 @@ def contamination_note(c: dict | None) -> str:
 
 def format_report(res: dict) -> str:
     lines = [f"checkpoint {res['checkpoint']} (step {res['step']}), vocab {res['vocab_size']} "
-             f"(ln V = {res['ln_vocab']:.3f}), windows of {res['seq_len']} tokens"]
+             f"(ln V = {res['ln_vocab']:.3f}), windows of {res['seq_len']} tokens, "
+             + ("document-masked attention (as trained)" if res["document_masking"] else
+                "causal attention across documents (as trained: module.document_masking=false)")]
     langs = [k for k in res if k not in RESERVED]
     if langs:
         head = f"{'lang':<6}{'model':<9}{'docs':>6}{'tokens':>10}{'chars':>11}{'nll/tok':>9}{'bits/char':>11}{'bits/byte':>11}"
@@ -242,6 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--multiple-choice", type=Path, help='multiple-choice JSONL: {"context", "choices", "label"} per line')
     p.add_argument("--seq-len", type=int, help="window length (default: the training seq_len)")
     p.add_argument("--batch-size", type=int, default=8, help="windows scored per forward pass (default 8)")
+    p.add_argument("--document-masking", action=argparse.BooleanOptionalAction, default=None,
+                   help="attend within each document only (default: as the checkpoint was trained)")
     p.add_argument("--run-dir", type=Path, help="the training run (default: the checkpoint's run directory)")
     p.add_argument("--contamination", action=argparse.BooleanOptionalAction, default=True,
                    help="measure each text's overlap with the run's training data (default: on)")

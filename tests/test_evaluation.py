@@ -49,7 +49,7 @@ class Uniform(nn.Module):
         self.vocab_size = vocab_size
         self.anchor = nn.Parameter(torch.zeros(()))  # gives the module a device
 
-    def forward(self, idx):
+    def forward(self, idx, mask=None):
         return torch.zeros(*idx.shape, self.vocab_size) + 0 * self.anchor
 
 
@@ -70,7 +70,7 @@ def test_evaluate_stream_matches_a_plain_loop_and_splits_over_ranks():
     torch.manual_seed(0)
     model = Transformer(SMALL).eval()
     stream = np.random.default_rng(0).integers(0, SMALL.vocab_size, size=3 * 16 + 6)  # 53 targets
-    nll, tokens = evaluate_stream(model, stream, seq_len=16, batch_size=2)
+    nll, tokens = evaluate_stream(model, stream, seq_len=16, batch_size=2, eos_id=None)
     ref = 0.0
     with torch.no_grad():  # reference: each window on its own, the partial one last
         for s in range(0, len(stream) - 1, 16):
@@ -79,11 +79,11 @@ def test_evaluate_stream_matches_a_plain_loop_and_splits_over_ranks():
     assert tokens == len(stream) - 1
     assert nll == pytest.approx(ref, rel=1e-5)
     metric = NLLSum()  # ranks 0 and 1 of a world of 2, summed as an all-reduce would
-    parts = [evaluate_stream(model, stream, 16, 2, rank=r, world_size=2, metric=NLLSum()) for r in (0, 1)]
+    parts = [evaluate_stream(model, stream, 16, 2, rank=r, world_size=2, metric=NLLSum(), eos_id=None) for r in (0, 1)]
     assert sum(p[1] for p in parts) == tokens
     assert sum(p[0] for p in parts) == pytest.approx(nll, rel=1e-6)
-    evaluate_stream(model, stream[:20], 16, metric=metric)
-    evaluate_stream(model, stream[20:], 16, metric=metric)
+    evaluate_stream(model, stream[:20], 16, metric=metric, eos_id=None)
+    evaluate_stream(model, stream[20:], 16, metric=metric, eos_id=None)
     assert int(metric.compute()[1]) == len(stream) - 2  # running sums across calls
 
 
@@ -99,10 +99,67 @@ def test_evaluate_stream_makes_the_same_number_of_forward_calls_on_every_rank():
     per_rank = []
     for r in (0, 1):
         calls.clear()
-        per_rank.append((evaluate_stream(model, stream, 16, 2, rank=r, world_size=2, metric=NLLSum()), list(calls)))
+        per_rank.append((evaluate_stream(model, stream, 16, 2, rank=r, world_size=2, metric=NLLSum(), eos_id=3),
+                         list(calls)))
     assert [len(c) for _, c in per_rank] == [2, 2]
     assert [c[1][1] for _, c in per_rank] == [5, 5]  # both ran the short-window group
     assert per_rank[0][0][1] + per_rank[1][0][1] == len(stream) - 1  # the spare call scored nothing
+
+
+class TokenNLL(NLLSum):
+    """:class:`NLLSum` that also keeps every token's NLL, in scoring order."""
+
+    def __init__(self):
+        super().__init__()
+        self.per_token: list[float] = []
+
+    def update(self, token_nll):
+        super().update(token_nll)
+        self.per_token += token_nll.flatten().tolist()
+
+
+def test_a_document_scores_the_same_alone_or_packed_after_others():
+    """The document mask in evaluation (issue 25): each document's per-token NLL is the same, to
+    float tolerance, whether its ``[eos] doc [eos]`` is scored alone or packed after (and before)
+    other documents in one window, because attention stops at every eos as in training. Without
+    the mask (``eos_id=None``) the packed scores change: the check can fail."""
+    torch.manual_seed(0)
+    model = Transformer(SMALL).eval()
+    rng = np.random.default_rng(1)
+    docs = [rng.integers(4, SMALL.vocab_size, size=n).tolist() for n in (11, 23, 7, 17)]
+    alone = []
+    for d in docs:
+        metric = TokenNLL()
+        evaluate_stream(model, token_stream([d], 3), seq_len=64, metric=metric, eos_id=3)
+        alone.append(metric.per_token)
+    packed, causal = TokenNLL(), TokenNLL()
+    stream = token_stream(docs, 3)
+    assert len(stream) - 1 <= 64, "one window holds every document"
+    evaluate_stream(model, stream, seq_len=64, metric=packed, eos_id=3)
+    evaluate_stream(model, stream, seq_len=64, metric=causal, eos_id=None)
+    torch.testing.assert_close(torch.tensor(packed.per_token), torch.tensor(sum(alone, [])), rtol=1e-5, atol=1e-5)
+    first = len(docs[0]) + 1  # the first document has nothing before it: the same either way
+    torch.testing.assert_close(torch.tensor(causal.per_token[:first]), torch.tensor(alone[0]), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(torch.tensor(causal.per_token[first:]), torch.tensor(sum(alone[1:], [])), atol=1e-3)
+
+
+def test_scripts_and_callbacks_score_with_the_mask_the_model_trained_with(tmp_path):
+    """evaluate_documents (scripts/evaluate.py's scoring) and score_slices (the random twin and the
+    n-gram comparison) give a packed stream the sum of its documents scored one at a time."""
+    torch.manual_seed(0)
+    model = Transformer(SMALL).eval()
+    tok = CharTokenizer()
+    docs = ["first document, short", "দ্বিতীয়টি একটু লম্বা", "third"]
+    packed = evaluate_documents(model, tok, docs, seq_len=64)
+    one_by_one = sum(evaluate_documents(model, tok, [d], seq_len=64).nll_sum for d in docs)
+    assert packed.nll_sum == pytest.approx(one_by_one, rel=1e-5)
+    assert evaluate_documents(model, tok, docs, seq_len=64, document_masking=False).nll_sum != \
+        pytest.approx(one_by_one, rel=1e-4)
+    from bnlit.evaluation import score_slices
+
+    stream = token_stream(tok.encode_batch(docs), tok.eos_id)
+    sliced = score_slices(model, {"x": (stream, 1, 1)}, 64, 2, eos_id=tok.eos_id)["x"]
+    assert sliced.nll_sum == pytest.approx(one_by_one, rel=1e-5)
 
 
 def test_uniform_model_bits_per_char_is_log2_vocab_times_tokens_per_char():
@@ -144,7 +201,7 @@ def test_twin_nll_is_near_ln_vocab_for_every_preset(name):
     cfg = preset(name)
     twin = twin_model(cfg, seed=1234)
     stream = np.random.default_rng(0).integers(4, cfg.vocab_size, size=65)  # 64 predictions
-    nll, tokens = evaluate_stream(twin, stream, seq_len=64)
+    nll, tokens = evaluate_stream(twin, stream, seq_len=64, eos_id=3)
     ratio = nll / tokens / uniform_nll(cfg.vocab_size)
     assert abs(ratio - 1) < 0.15, f"{name}: twin NLL is {ratio:.3f} x ln(V)"
 
