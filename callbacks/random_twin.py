@@ -59,7 +59,7 @@ class RandomTwinNLL(L.Callback):
         masked = getattr(trainer.lightning_module, "document_masking", True)
         return ev.score_slices(model, self._slices, self.seq_len, self.settings.batch_size, trainer.global_rank,
                                trainer.world_size, trainer.strategy.precision_plugin.forward_context(),
-                               eos_id=trainer.datamodule.tokenizer.eos_id if masked else None)
+                               eos_id=trainer.datamodule.tokenizer.eos_id, document_masking=masked)
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING:

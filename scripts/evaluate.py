@@ -8,7 +8,8 @@ training data; optionally multiple-choice accuracy (lm-eval-harness ``acc_norm``
 
 A ``.txt`` file is one document per blank-line separated paragraph, a ``.jsonl`` file one
 ``{"text": ...}`` per line. Every document token and one end-of-document token per document are
-scored once, in windows of the training ``seq_len``, with the attention the checkpoint was trained
+scored once, in windows of at most the training ``seq_len`` that cut a document only when it is
+longer (``bnlit.evaluation.windows``), with the attention the checkpoint was trained
 with (the document mask unless it ran with ``module.document_masking=false``; ``--document-masking``
 overrides): a document scores as it would alone. The n-gram baselines score the same stream.
 The run directory (default: the checkpoint's ``<run dir>/checkpoints/..``) supplies the baselines
@@ -106,9 +107,9 @@ def contamination(texts: list[str], run_dir: Path | None, name: str) -> dict:
         return {"unknown": str(e)}
 
 
-def score(model, stream, seq_len: int, batch_size: int, device, chars: int, nbytes: int,
-          eos_id: int | None) -> EvalResult:
-    nll, tokens = evaluate_stream(model, stream, seq_len, batch_size, device, eos_id=eos_id)
+def score(model, stream, seq_len: int, batch_size: int, device, chars: int, nbytes: int, eos_id: int,
+          masked: bool) -> EvalResult:
+    nll, tokens = evaluate_stream(model, stream, seq_len, batch_size, device, eos_id=eos_id, document_masking=masked)
     return EvalResult(nll, tokens, chars, nbytes)
 
 
@@ -119,7 +120,8 @@ def score_gguf(lm, docs: list[str], seq_len: int, batch_size: int, bnlit_stream,
                masked: bool) -> dict:
     """One language's row for a GGUF file: llama.cpp's tokens and logits, bnlit's windows."""
     stream = token_stream(lm.encode_batch(docs), lm.eos_id)
-    nll, tokens = evaluate_stream(lm, stream, seq_len, batch_size, device="cpu", eos_id=lm.eos_id if masked else None)
+    nll, tokens = evaluate_stream(lm, stream, seq_len, batch_size, device="cpu", eos_id=lm.eos_id,
+                                  document_masking=masked)
     r = EvalResult(nll, tokens, trained.chars, trained.bytes)
     return {"file": str(lm.path), "type": GGUF_FILE_TYPES.get(lm.file_type, str(lm.file_type)),
             **{k: getattr(r, k) for k in FIELDS}, "tokens": r.tokens,
@@ -146,7 +148,6 @@ def evaluate(args: argparse.Namespace) -> dict:
     seq_len = args.seq_len or datamodule_state(ckpt).get("seq_len") or cfg.max_seq_len
     # checkpoints written before the flag was saved trained with the mask (the default since it exists)
     masked = ckpt.get("document_masking", True) if args.document_masking is None else args.document_masking
-    eos = tok.eos_id if masked else None
     if not 0 < seq_len <= cfg.max_seq_len:
         raise ConfigError(f"--seq-len {seq_len}: must be in 1..{cfg.max_seq_len} (model.config.max_seq_len)")
     ggufs = []
@@ -162,11 +163,11 @@ def evaluate(args: argparse.Namespace) -> dict:
     for lang, d in docs.items():
         stream = token_stream(tok.encode_batch(d), tok.eos_id)
         chars, nbytes = sum(len(x) for x in d), sum(len(x.encode("utf-8")) for x in d)
-        r = score(model, stream, seq_len, args.batch_size, device, chars, nbytes, eos)
+        r = score(model, stream, seq_len, args.batch_size, device, chars, nbytes, tok.eos_id, masked)
         row = {k: getattr(r, k) for k in FIELDS} | {"tokens": r.tokens, "chars": r.chars, "bytes": r.bytes,
                                                      "documents": len(d)}
         if twin is not None:
-            t = score(twin, stream, seq_len, args.batch_size, device, chars, nbytes, eos)
+            t = score(twin, stream, seq_len, args.batch_size, device, chars, nbytes, tok.eos_id, masked)
             row |= {f"twin_{k}": getattr(t, k) for k in FIELDS}
             row["nll_gap"] = t.nll_per_token - r.nll_per_token
         if lang in counts:
