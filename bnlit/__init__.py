@@ -2,5 +2,8 @@
 
 from pathlib import Path
 
+from bnlit import moved
+
 __version__ = "0.1.0"
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+moved.install()

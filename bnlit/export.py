@@ -202,15 +202,6 @@ def export_hf(model: Transformer, tokenizer: Tokenizer, out_dir: str | os.PathLi
 _SPACES = re.compile(" {2,}")
 
 
-def sentencepiece_spec(tokenizer: Tokenizer):
-    """The SentencePiece ``ModelProto`` of ``tokenizer`` (pieces, types, normaliser flags)."""
-    from sentencepiece import sentencepiece_model_pb2
-
-    proto = sentencepiece_model_pb2.ModelProto()
-    proto.ParseFromString(tokenizer.model_bytes)
-    return proto
-
-
 def gguf_text(text: str, remove_extra_whitespaces: bool = True) -> str:
     """What to give llama.cpp's tokenizer so that its ids equal :meth:`Tokenizer.encode`'s: bnlit's
     :func:`normalize`, then SentencePiece's ``remove_extra_whitespaces`` (spaces at the ends
@@ -235,7 +226,7 @@ def gguf_vocab(tokenizer: Tokenizer, vocab_size: int) -> tuple[list[bytes], list
 
     from bnlit.hf_tokenizer import check_user_defined
 
-    proto = sentencepiece_spec(tokenizer)
+    proto = tokenizer.proto()
     check_user_defined(proto)
     tokens, scores, types = [], [], []
     for p in proto.pieces:
@@ -290,7 +281,7 @@ def export_gguf(model: Transformer, tokenizer: Tokenizer, out_path: str | os.Pat
         "bf16": (Q.BF16, gguf.LlamaFileType.MOSTLY_BF16), "q8_0": (Q.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
     }[type]
     cfg = model.config
-    spec = sentencepiece_spec(tokenizer).normalizer_spec
+    spec = tokenizer.proto().normalizer_spec
     tokens, scores, types = gguf_vocab(tokenizer, cfg.vocab_size)
 
     w = gguf.GGUFWriter(None, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA])

@@ -126,9 +126,7 @@ def build(tokenizer: Tokenizer):
     from tokenizers import AddedToken, Regex, decoders, models, normalizers
     from tokenizers import Tokenizer as HFTokenizer
 
-    from bnlit.export import sentencepiece_spec
-
-    proto = sentencepiece_spec(tokenizer)
+    proto = tokenizer.proto()
     kind = proto.trainer_spec.model_type
     if kind != proto.trainer_spec.BPE:
         raise CheckpointError(f"tokenizer: a SentencePiece {proto.trainer_spec.ModelType.Name(kind)} model has no "

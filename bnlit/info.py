@@ -14,7 +14,7 @@ from hydra.utils import instantiate
 import bnlit.resolvers  # noqa: F401
 from bnlit import CONF_DIR
 from bnlit.errors import BnlitError
-from bnlit.flops import flops_per_token, param_counts, parity_probe_memory_bytes, training_memory_bytes
+from bnlit.speed.flops import flops_per_token, param_counts, parity_probe_memory_bytes, training_memory_bytes
 
 GIB = 1 << 30
 

@@ -16,11 +16,12 @@ import torch.nn as nn
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 
-from bnlit import document_masking, sdpa
+from bnlit import document_masking
+from bnlit.speed import sdpa
 from bnlit.errors import BnlitError
-from bnlit.fast_path import describe_fast_path
+from bnlit.speed.fast_path import describe_fast_path
 from bnlit.loss import loss_fn, logits_loss
-from bnlit.run_report import log_metrics
+from bnlit.loggers import log_metrics
 from bnlit.tokenizer import EOS_ID
 
 log = logging.getLogger("bnlit")
@@ -43,20 +44,36 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def shard(model: nn.Module, mesh, compile: bool = False, fullgraph: bool = False) -> None:
+def mixed_precision_policy(precision: str):
+    """FSDP2's ``MixedPrecisionPolicy`` for a run's ``trainer.precision``: under bf16 the unsharded
+    parameters are all-gathered in bf16 (half the traffic of fp32, and autocast finds them in bf16
+    already) and gradients are reduce-scattered in fp32 (a sum over ranks in bf16 loses the low
+    bits of every rank's contribution); the sharded parameters and optimizer states stay fp32.
+    Any other precision all-gathers and reduces in the parameters' own dtype (torchtitan's
+    ``mixed_precision_param``/``mixed_precision_reduce`` defaults are the same pair)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if "bf16" in str(precision):
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def shard(model: nn.Module, mesh, compile: bool = False, fullgraph: bool = False, mp_policy=None) -> None:
     """FSDP2 (``fully_shard``) as torchtitan applies it: each transformer block is one unit (its
     parameters are gathered just before it runs and freed after), the root holds the embeddings,
     final norm and the (tied) head. A block is compiled before it is sharded, so the compiled
     graphs contain no collectives. Lightning's mesh is (data_parallel = nodes, tensor_parallel =
     devices per node); bnlit has no tensor parallelism, so sharding over that 2-D mesh is HSDP:
-    sharded within a node, replicated across nodes. On one node it is plain FSDP."""
-    from torch.distributed.fsdp import fully_shard
+    replicated across nodes (mesh dim 0), sharded within a node (dim 1). On one node it is plain
+    FSDP. ``mp_policy``: :func:`mixed_precision_policy` (None: torch's default, no casts)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    mp_policy = mp_policy or MixedPrecisionPolicy()
     for block in model.layers:
         if compile:
             block.compile(fullgraph=fullgraph)
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, mp_policy=mp_policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
 
 
 class LMModule(L.LightningModule):
@@ -67,7 +84,7 @@ class LMModule(L.LightningModule):
     compile: ``torch.compile`` the model's forward, loss included (parameter names are kept); under
         FSDP2 each block is compiled before it is sharded (:func:`shard`).
     fullgraph: require a single graph when compiling.
-    sdpa_backend: CUDA attention kernels (``bnlit.sdpa``): ``auto`` lets PyTorch pick; ignored on CPU.
+    sdpa_backend: CUDA attention kernels (``bnlit.speed.sdpa``): ``auto`` lets PyTorch pick; ignored on CPU.
     loss_impl: the output head's loss (``bnlit.loss``): ``plain``, ``chunked`` or ``fused`` (torch's
         ``F.linear_cross_entropy``, fp32 precision only).
     document_masking: attend only within a document of a packed window (``bnlit.document_masking``).
@@ -87,7 +104,7 @@ class LMModule(L.LightningModule):
         super().__init__()
         sdpa.validate(sdpa_backend)
         # refused here, before the data module builds anything: a bad name, fused on a torch without it
-        # (fused at a precision where it is wrong: bnlit.validate, and configure_model below)
+        # (fused at a precision where it is wrong: bnlit.preflight, and configure_model below)
         loss_fn(loss_impl, "cuda" if torch.cuda.is_available() else "cpu")
         self.model = model
         self.optimizer_factory = optimizer
@@ -123,7 +140,9 @@ class LMModule(L.LightningModule):
             if self.compile:
                 self.model.compile(fullgraph=self.fullgraph)
         else:
-            shard(self.model, mesh, compile=self.compile, fullgraph=self.fullgraph)
+            precision = str(self.trainer.precision) if self._trainer is not None else "32-true"
+            shard(self.model, mesh, compile=self.compile, fullgraph=self.fullgraph,
+                  mp_policy=mixed_precision_policy(precision))
         self._configured = True
 
     def on_train_start(self) -> None:
@@ -142,7 +161,7 @@ class LMModule(L.LightningModule):
         """The training loss of one ``(x, y)`` batch, nothing logged: the model's own loss (in
         the compiled graph when compiled) with this run's document mask and ``loss_impl``.
         ``training_step`` and the gradient-flow arbiter's fast-path parity probe both call it, so
-        the probe checks the loss that trains (README, "Gradient flow (the arbiter)"). ``model``
+        the probe checks the loss that trains (docs/gradient-flow.md). ``model``
         (default ``self.model``) runs the same loss on another copy of the weights."""
         x, y = batch
         return (model or self.model)(x, y, mask=self.attention_mask(x))

@@ -28,7 +28,7 @@ NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # x86 instructions that multipl
 def cpu_precision(cpuinfo: str = "/proc/cpuinfo") -> str:
     """``trainer.precision`` of a CPU run: ``bf16-mixed`` where the CPU multiplies bf16 natively
     (the default run's steps take ~0.75x the time of fp32 on an AVX512-BF16 EPYC at the same
-    bits/char; README "How long the default run takes"), ``32-true`` anywhere else, where bf16 is
+    bits/char; docs/getting-started.md "How long the default run takes"), ``32-true`` anywhere else, where bf16 is
     emulated and slower."""
     try:
         flags = next((line.split(":", 1)[1].split() for line in open(cpuinfo) if line.startswith("flags")), [])

@@ -1,9 +1,5 @@
-"""Everything a run reports, apart from the live metrics each callback logs:
+"""What a run reports when it ends (what it logs while it trains is :mod:`bnlit.loggers`):
 
-- :func:`log_metrics` and :func:`log_table`: what a callback sends to every attached logger (a
-  table also goes to ``<run dir>/tables/<key>.json`` for users without W&B);
-- :func:`run_tags`, :func:`sweep_group` and :func:`redact`: the W&B tags and group of a run, and
-  the config dump handed to loggers with secrets (W&B/HF keys, tokens, passwords) removed;
 - :func:`write_summary`: ``<run dir>/summary.md`` with the final value of every metric, the tables,
   and PNG plots of loss, MFU, fertility and the random-twin gap from ``<run dir>/csv/metrics.csv``;
 - :func:`print_report`: the console lines at the end of ``bnlit.train``, saying where everything went.
@@ -16,84 +12,12 @@ import csv
 import json
 import math
 import os
-import re
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import lightning as L
-import torch
-from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
-from lightning.pytorch.loggers import WandbLogger
 from omegaconf import DictConfig
-
-SECRET_KEY = re.compile(r"(api_?key|token|secret|password|passwd)$", re.IGNORECASE)
-SECRET_ENV = ("WANDB_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
-REDACTED = "<redacted>"
-
-
-# -- to the loggers -------------------------------------------------------------------------------
-
-def log_metrics(trainer: L.Trainer, metrics: Mapping[str, float], callback_metrics: bool = False) -> None:
-    """Send ``metrics`` to every attached logger at the current step, from global rank zero; with
-    ``callback_metrics``, also publish them in ``trainer.callback_metrics`` on every rank (what
-    ``train()`` returns and the final report prints).
-
-    For values computed outside a logging step (a check that runs every n optimizer steps, a
-    fit-start measurement): ``LightningModule.log`` would hold them until the next logging step."""
-    if callback_metrics:
-        for k, v in metrics.items():
-            trainer.callback_metrics[k] = torch.tensor(float(v))
-    if trainer.is_global_zero and metrics:
-        for logger in trainer.loggers:
-            logger.log_metrics(dict(metrics), step=trainer.global_step)
-
-
-def run_dir(trainer: L.Trainer) -> Path:
-    """The run's output directory (Hydra's run dir, which is ``trainer.default_root_dir``)."""
-    return Path(trainer.default_root_dir)
-
-
-def write_json_atomic(path: str | os.PathLike, payload: Any) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(payload, indent=2, default=str))
-    os.replace(tmp, path)
-    return path
-
-
-def log_table(trainer: L.Trainer, key: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
-    """Log ``rows`` under ``key`` (e.g. ``tok/fertility``) as a W&B table where a WandbLogger is
-    attached, and write ``<run dir>/tables/<key with / as _>.json`` on global rank zero."""
-    if not trainer.is_global_zero:
-        return
-    for logger in trainer.loggers:
-        if isinstance(logger, WandbLogger):
-            logger.log_table(key=key, columns=list(columns), data=[list(r) for r in rows])
-    name = key.replace("/", "_") + ".json"
-    write_json_atomic(run_dir(trainer) / "tables" / name,
-                      {"columns": list(columns), "rows": [list(r) for r in rows], "step": trainer.global_step})
-
-
-def run_tags(cfg: DictConfig) -> list[str]:
-    """W&B tags: the model preset, the hardware config, the data mixture, then ``cfg.tags``."""
-    choices = HydraConfig.get().runtime.choices if HydraConfig.initialized() else {}
-    trainer = choices.get("trainer") or f"{cfg.trainer.accelerator}x{cfg.trainer.devices}"
-    sources = cfg.data.get("sources") or []
-    total = sum(float(s.get("weight", 1.0)) for s in sources) or 1.0
-    mix = "+".join(f"{s.name}{round(100 * float(s.get('weight', 1.0)) / total)}" for s in sources)
-    return [f"model:{cfg.model.config.name}", f"trainer:{trainer}", f"data:{mix}", *map(str, cfg.get("tags") or [])]
-
-
-def sweep_group() -> str | None:
-    """Runs of one Hydra multirun share a W&B group: the sweep directory's name."""
-    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
-        return Path(HydraConfig.get().sweep.dir).name
-    return None
-
 
 # -- the summary and the final report -------------------------------------------------------------
 
@@ -119,23 +43,6 @@ PLOT_AXES = {
                         "bigram minus trained (bits/char)"),
 }
 STEP_LABEL = "optimizer step"
-
-
-def redact(obj: Any) -> Any:
-    """A copy of ``obj`` (nested dicts/lists) with secret-looking keys and any value equal to a
-    secret environment variable replaced by ``<redacted>``."""
-    secrets = {os.environ[v] for v in SECRET_ENV if os.environ.get(v)}
-    # a key such as tokenizer.path or token counts is not a secret: only string leaves are checked
-    def walk(x: Any, key: str = "") -> Any:
-        if isinstance(x, Mapping):
-            return {k: walk(v, str(k)) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return [walk(v, key) for v in x]
-        if isinstance(x, str) and (x in secrets or (SECRET_KEY.search(key) and x)):
-            return REDACTED
-        return x
-
-    return walk(obj)
 
 
 def read_metrics(csv_path: Path) -> dict[str, list[tuple[int, float]]]:
@@ -278,7 +185,7 @@ def proof_of_learning(tables: Path) -> list[str]:
 def write_summary(run_dir: str | os.PathLike, metrics: Mapping[str, float] | None = None,
                   fast_path: str | None = None) -> Path:
     """Write ``summary.md`` and ``plots/*.png`` into ``run_dir``; returns the summary path.
-    ``fast_path``: the run's ``fast path: ...`` line (:mod:`bnlit.fast_path`), kept under the title."""
+    ``fast_path``: the run's ``fast path: ...`` line (:mod:`bnlit.speed.fast_path`), kept under the title."""
     run_dir = Path(run_dir)
     csv_path = run_dir / "csv" / "metrics.csv"
     series = read_metrics(csv_path) if csv_path.is_file() else {}
@@ -363,6 +270,19 @@ def format_duration(seconds: float) -> str:
     m, s = divmod(round(seconds), 60)
     h, m = divmod(m, 60)
     return f"{h}h {m:02d}m {s:02d}s" if h else f"{m}m {s:02d}s"
+
+
+# -- names that moved to bnlit.loggers ------------------------------------------------------------
+# kept for code written before the move; their home is bnlit.loggers
+_MOVED = ('SECRET_KEY', 'SECRET_ENV', 'REDACTED', 'log_metrics', 'run_dir', 'write_json_atomic', 'log_table', 'run_tags', 'sweep_group', 'redact')
+
+
+def __getattr__(name: str):
+    if name in _MOVED:
+        import importlib
+
+        return getattr(importlib.import_module("bnlit.loggers"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """A GGUF export (``bnlit.export.export_gguf``) run in llama.cpp through ``llama-cpp-python``
 (the ``serve`` extra: ``pip install -e ".[serve]"``): its tokenizer, its logits and its greedy
 generation, in the shapes bnlit's own model and tokenizer use, so the same scoring code
-(:func:`bnlit.evaluation.evaluate_stream`) and the same comparisons run on both.
+(:func:`bnlit.evaluation.heldout.evaluate_stream`) and the same comparisons run on both.
 
 llama.cpp keeps its KV cache in float16 by default; :func:`load_gguf` asks for a float32 cache, so
 an f32 GGUF's logits are bnlit's up to float32 rounding, and a quantized file's differences are
@@ -20,7 +20,7 @@ import torch
 
 from bnlit.errors import CheckpointError
 from bnlit.export import gguf_text
-from bnlit.threads import available_cpus, choose_threads, load_average
+from bnlit.speed.threads import available_cpus, choose_threads, load_average
 
 GGML_TYPE_F32 = 0  # ggml_type of the KV cache
 
@@ -29,7 +29,7 @@ def load_gguf(path: str | os.PathLike, n_ctx: int | None = None, vocab_only: boo
               n_threads: int | None = None):
     """``llama_cpp.Llama`` on ``path`` with every position's logits kept (``logits_all``), a float32
     KV cache and llama.cpp's log lines off. ``n_ctx``: default the model's trained context;
-    ``n_threads``: default the idle cores (:func:`bnlit.threads.choose_threads`, ``auto``: a thread
+    ``n_threads``: default the idle cores (:func:`bnlit.speed.threads.choose_threads`, ``auto``: a thread
     without a core of its own spins at every barrier)."""
     try:
         import llama_cpp

@@ -56,7 +56,7 @@ DANDA, DOUBLE_DANDA = "\u0964", "\u0965"
 BANGLA_REQUIRED = BANGLA_CHARS + DANDA + DOUBLE_DANDA + ZWJ + ZWNJ
 REQUIRED_CHARS = BANGLA_REQUIRED + string.digits + string.punctuation + "‘’“”–—…"
 # a mark that cannot start a well-formed Bangla syllable: a token that starts with one was cut
-# inside a grapheme cluster (README "Tokenizer fertility")
+# inside a grapheme cluster (docs/tokenizer.md)
 COMBINING_MARKS = _chars((0x0981, 0x0983), (0x09BE, 0x09C4), (0x09C7, 0x09C8), (0x09CB, 0x09CC), (0x09D7, 0x09D7),
                          (0x09E2, 0x09E3)) + NUKTA + HASANTA
 # 4 special tokens, 256 byte-fallback pieces and the required characters: a smaller vocabulary
@@ -247,6 +247,14 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.sp.decode(list(ids))
+
+    def proto(self):
+        """The SentencePiece ``ModelProto`` (pieces, types, normaliser flags), for the exports."""
+        from sentencepiece import sentencepiece_model_pb2
+
+        proto = sentencepiece_model_pb2.ModelProto()
+        proto.ParseFromString(self.model_bytes)
+        return proto
 
     def is_byte(self, token_id: int) -> bool:
         return self.sp.is_byte(token_id)

@@ -22,12 +22,14 @@ from omegaconf import DictConfig, OmegaConf
 
 import bnlit.resolvers  # noqa: F401  (registers ${bnlit.*} resolvers)
 from bnlit import CONF_DIR
-from bnlit.checkpointing import Interrupted, prepare_resume, remove_partial_writes
+from bnlit.checkpointing import prepare_resume, remove_partial_writes
+from bnlit.interrupt import Interrupted
 from bnlit.errors import BnlitError, ConfigError
-from bnlit.host_malloc import KEEP_BYTES, keep_freed_memory
-from bnlit.run_report import print_report, redact, run_tags, sweep_group, write_summary
-from bnlit.threads import load_average, set_threads
-from bnlit.validate import instantiate_checked, validate_config
+from bnlit.speed.host_malloc import KEEP_BYTES, keep_freed_memory
+from bnlit.loggers import redact, run_tags, sweep_group
+from bnlit.run_report import print_report, write_summary
+from bnlit.speed.threads import load_average, set_threads
+from bnlit.preflight import instantiate_checked, check_config
 
 log = logging.getLogger("bnlit")
 
@@ -45,7 +47,7 @@ def instantiate_group(group: DictConfig | None, wandb_kwargs: dict | None = None
 def train(cfg: DictConfig) -> dict[str, float]:
     """Fit the configured model; return the final ``trainer.callback_metrics`` as floats."""
     start = time.perf_counter()
-    validate_config(cfg)  # seconds, before anything is built or written
+    check_config(cfg)  # seconds, before anything is built or written
     threads = set_threads(cfg.get("threads", "auto"))
     if cfg.get("keep_freed_memory") and str(cfg.trainer.get("accelerator")) == "cpu" and keep_freed_memory():
         log.info("host memory: freed tensors kept for reuse (glibc mmap/trim thresholds %d MiB)", KEEP_BYTES >> 20)

@@ -1,5 +1,5 @@
 """``DeadVocabulary``: at the end of training, the tokenizer pieces the model never trained on
-(:mod:`bnlit.dead_vocabulary`); the embedding rows looked up are tracked here on the device."""
+(:mod:`bnlit.checks.dead_vocabulary`); the embedding rows looked up are tracked here on the device."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
-from bnlit import dead_vocabulary as dv
+from bnlit.checks import dead_vocabulary as dv
 from bnlit.errors import ConfigError
-from bnlit.run_report import log_metrics, log_table, run_dir, write_json_atomic
+from bnlit.loggers import log_metrics, log_table, run_dir, write_json_atomic
 
 log = logging.getLogger(__name__)
 REPORT_FILE = "dead_vocabulary.json"

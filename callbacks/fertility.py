@@ -1,17 +1,17 @@
 """``FertilityCheck``: at the start of a run, each language's characters per token and the
-mixture's delivered shares, checked against floors (:mod:`bnlit.fertility`); stops or warns."""
+mixture's delivered shares, checked against floors (:mod:`bnlit.checks.fertility`); stops or warns."""
 
 from __future__ import annotations
 
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from bnlit import fertility
+from bnlit.checks import fertility
 from bnlit.errors import TokenizerError
-from bnlit.run_report import log_metrics, log_table
+from bnlit.loggers import log_metrics, log_table
 
 class FertilityCheck(L.Callback):
-    """Args: those of :class:`bnlit.fertility.FertilitySettings`, kept as ``self.settings``."""
+    """Args: those of :class:`bnlit.checks.fertility.FertilitySettings`, kept as ``self.settings``."""
 
     def __init__(self, **settings):
         self.settings = fertility.FertilitySettings(**settings)

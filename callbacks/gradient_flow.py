@@ -1,5 +1,5 @@
 """``GradientFlowArbiter``: turn a parameter that silently stops learning into a named error; a
-thin adapter that decides when the checks of :mod:`bnlit.gradient_flow` run (its docstring says
+thin adapter that decides when the checks of :mod:`bnlit.checks.gradient_flow` run (its docstring says
 when and why) and fails every rank together."""
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
-from bnlit import gradient_flow as gf
-from bnlit.checkpointing import sharded_strategy, trainer_checkpoint_dir
-from bnlit.run_report import log_metrics, write_json_atomic
+from bnlit.checks import gradient_flow as gf
+from bnlit.checkpointing import trainer_checkpoint_dir
+from bnlit.strategy import sharded_strategy
+from bnlit.loggers import log_metrics, write_json_atomic
 
 GradientFlowError = gf.GradientFlowError  # raised here, defined with the checks
 __all__ = ["GradientFlowArbiter", "GradientFlowError"]
@@ -30,8 +31,8 @@ def _found_inf(trainer: L.Trainer) -> torch.Tensor | None:
 
 
 class GradientFlowArbiter(Callback):
-    """Args: those of :class:`bnlit.gradient_flow.ArbiterSettings`, kept as ``self.settings``; the
-    per-step bookkeeping (what is due, counters) is ``self.state``, a :class:`bnlit.gradient_flow.ArbiterState`."""
+    """Args: those of :class:`bnlit.checks.gradient_flow.ArbiterSettings`, kept as ``self.settings``; the
+    per-step bookkeeping (what is due, counters) is ``self.state``, a :class:`bnlit.checks.gradient_flow.ArbiterState`."""
 
     def __init__(self, **settings: Any):
         self.settings = gf.ArbiterSettings(**settings)
@@ -66,7 +67,7 @@ class GradientFlowArbiter(Callback):
         if self.settings.fast_path_parity and not callable(getattr(pl_module, gf.PROBE_HOOK, None)) \
                 and trainer.is_global_zero:
             log.info("fast-path parity: skipped, %s has no %s(batch) -> loss hook "
-                     "(see the README, \"Gradient flow (the arbiter)\")", type(pl_module).__name__, gf.PROBE_HOOK)
+                     "(see docs/gradient-flow.md)", type(pl_module).__name__, gf.PROBE_HOOK)
         findings, payload = gf.membership_verdict(pl_module.named_parameters(), trainer.optimizers, self.settings.allow,
                                                   self._reduce(trainer), pl_module.device)
         if findings:

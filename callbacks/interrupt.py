@@ -1,6 +1,6 @@
 """``InterruptCheckpoint``: on SIGTERM, SIGUSR1/2 or Ctrl-C finish the optimizer step, write an
 atomic checkpoint of it, flush the loggers and stop (a SLURM job on a requeue signal is requeued);
-the signal bookkeeping and checkpoint hygiene are :mod:`bnlit.checkpointing` (cost: its docstring)."""
+the signal bookkeeping is :mod:`bnlit.interrupt` (cost: its docstring), the checkpoint files :mod:`bnlit.checkpointing`."""
 
 from __future__ import annotations
 
@@ -11,9 +11,8 @@ from pathlib import Path
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from bnlit.checkpointing import (
-    Interrupted, SignalLatch, adopt_step_checkpoints, agree, requeue_slurm_job, signal_number, step_checkpoint_path,
-)
+from bnlit.checkpointing import adopt_step_checkpoints, step_checkpoint_path
+from bnlit.interrupt import Interrupted, SignalLatch, agree, requeue_slurm_job, signal_number
 
 log = logging.getLogger("bnlit")
 

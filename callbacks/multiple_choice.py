@@ -1,6 +1,6 @@
 """``MultipleChoiceEval``: multiple-choice accuracy at a validation cadence, logged next to its
 chance baseline (``multiple_choice/<task>_acc_norm``, ``_acc``, ``_chance``); the tasks and the
-scoring are :mod:`bnlit.multiple_choice`."""
+scoring are :mod:`bnlit.evaluation.multiple_choice`."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 
 from bnlit.errors import ConfigError
-from bnlit.multiple_choice import load_items, score_tasks
-from bnlit.run_report import log_metrics
+from bnlit.evaluation.multiple_choice import load_items, score_tasks
+from bnlit.loggers import log_metrics
 
 
 class MultipleChoiceEval(L.Callback):

@@ -1,6 +1,6 @@
 """NaN/spike guard: checks every optimizer step's loss and gradient norm before the optimizer
 applies it and halts the run (``policy: halt``) or drops the batch (``policy: skip``); a thin
-adapter over :mod:`bnlit.guard`, whose docstring says how the verdict stays on the device (an
+adapter over :mod:`bnlit.checks.nan_guard`, whose docstring says how the verdict stays on the device (an
 optimizer with ``found_inf``) or is read on the host (any other optimizer)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 import lightning as L
 import torch
 
-from bnlit.guard import SkipBudget, SpikeTracker, StepGuard, check_finite_parameters, grad_norm, settle_due
+from bnlit.checks.nan_guard import SkipBudget, SpikeTracker, StepGuard, check_finite_parameters, grad_norm, settle_due
 
 
 class NaNGuard(L.Callback):

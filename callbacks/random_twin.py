@@ -1,7 +1,7 @@
 """``RandomTwinNLL``: the trained model against a freshly initialised twin of the same architecture
 and tokenizer, and against the unigram and bigram of the training shards, on each language's
 held-out slice, in NLL per token, bits per character and bits per byte. The maths and the reasons
-are in :mod:`bnlit.evaluation` (twin) and :mod:`bnlit.ngram` (baselines, saved as
+are in :mod:`bnlit.evaluation.heldout` (twin) and :mod:`bnlit.evaluation.ngram` (baselines, saved as
 ``<run dir>/baselines/ngram_<lang>.npz`` for ``scripts/evaluate.py``); this callback picks the
 slices, chooses when to evaluate, logs and warns."""
 
@@ -13,15 +13,15 @@ import numpy as np
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 
-from bnlit import evaluation as ev
-from bnlit import ngram
-from bnlit.run_report import log_metrics, log_table, run_dir
+from bnlit.evaluation import heldout as ev
+from bnlit.evaluation import ngram
+from bnlit.loggers import log_metrics, log_table, run_dir
 
 log = logging.getLogger(__name__)
 
 
 class RandomTwinNLL(L.Callback):
-    """Args: those of :class:`bnlit.evaluation.TwinSettings`, kept as ``self.settings``."""
+    """Args: those of :class:`bnlit.evaluation.heldout.TwinSettings`, kept as ``self.settings``."""
 
     def __init__(self, **settings):
         self.settings = ev.TwinSettings(**settings)

@@ -1,5 +1,5 @@
 """``LanguageStarvation``: warn or stop when one language's held-out loss stops improving while
-another's improves; the rule is :mod:`bnlit.starvation`."""
+another's improves; the rule is :mod:`bnlit.checks.starvation`."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from bnlit.errors import ConfigError
-from bnlit.run_report import log_metrics, log_table
-from bnlit.starvation import LanguageStarvationError, starvation_message, starvation_summary
-from bnlit.starvation import starvation_table, starved_languages
+from bnlit.loggers import log_metrics, log_table
+from bnlit.checks.starvation import LanguageStarvationError, starvation_message, starvation_summary
+from bnlit.checks.starvation import starvation_table, starved_languages
 
 ON_STARVED = ("warn", "raise")
 

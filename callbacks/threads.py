@@ -1,5 +1,5 @@
 """``ThreadsFollowLoad``: with ``threads: auto``, re-choose torch's CPU thread count during the run
-as the load changes (:func:`bnlit.threads.rechoose_threads`; why: :mod:`bnlit.threads`)."""
+as the load changes (:func:`bnlit.speed.threads.rechoose_threads`; why: :mod:`bnlit.speed.threads`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import lightning as L
 import torch
 
 from bnlit.errors import ConfigError
-from bnlit.threads import available_cpus, load_average, rechoose_threads
+from bnlit.speed.threads import available_cpus, load_average, rechoose_threads
 
 log = logging.getLogger("bnlit")
 

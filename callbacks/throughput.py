@@ -1,6 +1,6 @@
 """``ThroughputMonitor``: tokens/s, TFLOP/s, MFU, step time, data wait and peak memory of every run.
 
-A thin adapter over :mod:`bnlit.throughput`, whose docstring lists the ``throughput/`` metrics, the
+A thin adapter over :mod:`bnlit.speed.throughput`, whose docstring lists the ``throughput/`` metrics, the
 timing rules (one CUDA sync per logging step, compilation and validation left out) and the MFU floor.
 """
 
@@ -17,8 +17,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
 from bnlit.errors import ConfigError
-from bnlit.flops import flops_per_token
-from bnlit.throughput import (
+from bnlit.speed.flops import flops_per_token
+from bnlit.speed.throughput import (
     LowMFUError,
     MFUFloor,
     StepTimer,
@@ -41,7 +41,7 @@ class ThroughputMonitor(Callback):
     log_every_n_steps: log (and sync CUDA) every this many optimizer steps; None: the Trainer's.
     peak_tflops: use this peak instead of the table or a measurement (new hardware, tests).
     clock: the timer (``time.perf_counter``; tests inject a fake one).
-    **floor: those of :class:`bnlit.throughput.MFUFloor` (min_mfu_pct, cpu_min_mfu_pct,
+    **floor: those of :class:`bnlit.speed.throughput.MFUFloor` (min_mfu_pct, cpu_min_mfu_pct,
         warmup_steps, patience, on_low_mfu), kept as ``self.floor``.
     """
 
@@ -52,7 +52,7 @@ class ThroughputMonitor(Callback):
         self.floor = MFUFloor(**floor)
         self.timer = StepTimer(window_steps, clock)
         self.log_every_n_steps, self.peak_tflops = log_every_n_steps, peak_tflops
-        self.peak = None  # a bnlit.throughput.Peak from fit start
+        self.peak = None  # a bnlit.speed.throughput.Peak from fit start
         self.last: dict[str, float] = {}  # the latest logged figures
         self._fpt: dict[int, int] = {}
         self._config = None

@@ -42,11 +42,11 @@ from torch.utils.data import DataLoader
 import bnlit.resolvers  # noqa: F401
 from bnlit import CONF_DIR
 from bnlit.data.dataset import PackedWindows
-from bnlit.flops import flops_per_token
+from bnlit.speed.flops import flops_per_token
 from bnlit.document_masking import document_mask
 from bnlit.loss import loss_fn
 from bnlit.module import param_groups
-from bnlit.throughput import resolve_peak
+from bnlit.speed.throughput import resolve_peak
 from bnlit.tokenizer import EOS_ID
 from bnlit.train import instantiate_group
 

@@ -2,7 +2,7 @@
 
 Times optimizer steps (forward, backward, AdamW) of the default model on random tokens with
 glibc's default mmap/trim thresholds and with the raised ones of ``keep_freed_memory``
-(:mod:`bnlit.host_malloc`), switched block by block within one process (A, B, B, A, ...), and
+(:mod:`bnlit.speed.host_malloc`), switched block by block within one process (A, B, B, A, ...), and
 prints each block's step time and minor page faults per step, the paired ratios (raised /
 default) and their median with the 1-minute load average. Linux with glibc only.
 """
@@ -23,7 +23,7 @@ from hydra.utils import instantiate
 
 import bnlit.resolvers  # noqa: F401
 from bnlit import CONF_DIR
-from bnlit.host_malloc import KEEP_BYTES, M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
+from bnlit.speed.host_malloc import KEEP_BYTES, M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
 from bnlit.module import next_token_loss, param_groups
 
 GLIBC_DEFAULT = 128 * 1024  # the documented initial mmap and trim thresholds

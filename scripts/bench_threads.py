@@ -5,7 +5,7 @@ default data shape) on random tokens, switching ``torch.set_num_threads`` betwee
 counts block by block (A, B, A, B, ... within one process), so the machine's drift hits every count
 alike. Prints each round's step time per count, the paired ratios against the first count, their
 median, and the 1-minute load average before and after: what ``threads: auto``
-(:func:`bnlit.threads.choose_threads`) is based on. Quote the median ratio with the load.
+(:func:`bnlit.speed.threads.choose_threads`) is based on. Quote the median ratio with the load.
 """
 
 from __future__ import annotations

@@ -24,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import train_tokenizer  # noqa: E402  (the sibling CLI)
 
-from bnlit import fertility, progress  # noqa: E402
+from bnlit import progress  # noqa: E402
+from bnlit.checks import fertility
 from bnlit.data import embedded  # noqa: E402
 from bnlit.tokenizer import Tokenizer  # noqa: E402
 

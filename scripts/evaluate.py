@@ -38,8 +38,8 @@ import torch
 
 from bnlit.checkpointing import datamodule_state, load_model
 from bnlit.errors import BnlitError, ConfigError
-from bnlit.evaluation import EvalResult, evaluate_stream, read_documents, token_stream, twin_model
-from bnlit.ngram import BASELINES, count_shards, load_baselines
+from bnlit.evaluation.heldout import EvalResult, evaluate_stream, read_documents, token_stream, twin_model
+from bnlit.evaluation.ngram import BASELINES, count_shards, load_baselines
 
 RESERVED = ("vocab_size", "ln_vocab", "checkpoint", "step", "seq_len", "document_masking", "multiple_choice", "run_dir",
             "baselines")
@@ -185,7 +185,7 @@ def evaluate(args: argparse.Namespace) -> dict:
     for lm in ggufs:
         lm.close()
     if args.multiple_choice:
-        from bnlit.multiple_choice import load_items, score_items
+        from bnlit.evaluation.multiple_choice import load_items, score_items
 
         items = load_items(args.multiple_choice)
         scores = score_items(model, tok, items, seq_len)

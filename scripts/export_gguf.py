@@ -5,7 +5,7 @@ SentencePiece vocabulary with scores and token types, BOS/EOS ids, normalisation
 
 Norms stay float32 in every type. Tokenize for it as bnlit does: ``bnlit.export.gguf_text(text)``
 (``bnlit.tokenizer.normalize`` and SentencePiece's whitespace rule) before llama.cpp's tokenizer;
-README "Serving" has the llama.cpp, ollama and candle recipes.
+docs/export.md has the llama.cpp, ollama and candle recipes.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from bnlit import fertility
+from bnlit.checks import fertility
 from bnlit.errors import BnlitError, ConfigError
 
 COLUMNS = ("chars_per_token", "bytes_per_token", "tokens_per_word", "tokens", "chars",

@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if n_gpus == 0:
         print(json.dumps({"check": "cuda", "ok": False, "error": "no CUDA device: this is the GPU check; on CPU rehearse "
-                          "with `python -m bnlit.train model=tiny trainer=h100 debug=rehearsal` (README)"}))
+                          "with `python -m bnlit.train model=tiny trainer=h100 debug=rehearsal` (docs/production.md)"}))
         return 2
     env = dict(os.environ, WANDB_MODE=os.environ.get("WANDB_MODE", "disabled"))
     failed = 0

@@ -3,7 +3,7 @@
 
 For each preset and precision it composes the real config (``model=<preset> data.seq_len=T
 data.batch_size=B``), takes the estimate that ``python -m bnlit.info`` prints
-(:func:`bnlit.flops.training_memory_bytes`), then runs training steps of the same model on CPU
+(:func:`bnlit.speed.flops.training_memory_bytes`), then runs training steps of the same model on CPU
 (forward under the precision's autocast, the fp32 next-token loss, backward, a fused AdamW step,
 gradients set to None) and measures the peak of live tensor memory during the second step (the
 first creates the AdamW moments, so the second is the steady state) with torch's own
@@ -27,7 +27,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 import bnlit.resolvers  # noqa: F401
 from bnlit import CONF_DIR
-from bnlit.flops import training_memory_bytes
+from bnlit.speed.flops import training_memory_bytes
 from bnlit.module import next_token_loss, param_groups
 
 MIB = 1 << 20

@@ -11,7 +11,7 @@ when most are Latin (any Latin-script text counts as English), else the file is 
 non-empty line is a training sentence; a content-hash slice of the lines (``--heldout-fraction``,
 the same split rule as the data module's) is held out and only used for the card's fertility.
 ``--lang-weights`` resamples the training lines so each language has that share of the
-characters. The defaults are ``conf/tokenizer/default.yaml``, the recipe measured in the README
+characters. The defaults are ``conf/tokenizer/default.yaml``, the recipe measured in docs/tokenizer.md
 ("Tokenizer fertility").
 """
 
@@ -25,7 +25,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from bnlit import CONF_DIR, fertility
+from bnlit import CONF_DIR
+from bnlit.checks import fertility
 from bnlit.errors import BnlitError, ConfigError
 from bnlit.tokenizer import NORMALIZATION_RULES, Tokenizer, sample_by_language, train_tokenizer
 

@@ -11,6 +11,7 @@ import shutil
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -118,6 +119,28 @@ def test_shard_that_does_not_match_its_index(cli, good_run, cache_dir, tmp_path,
     assert last.read_bytes() == before
 
 
+def test_shard_whose_bytes_changed_is_refused_before_training(cli, good_run, cache_dir, tmp_path):
+    """Same size, other tokens (all inside the vocabulary, so nothing downstream would notice):
+    the block checksums in the index catch it when the data module opens the shards."""
+    cache = tmp_path / "cache"
+    shutil.copytree(cache_dir, cache)
+    damaged = sorted(cache.glob("shards/*/bn_books.train.bin"))
+    for shard in damaged:
+        tokens = np.fromfile(shard, dtype=np.uint16)
+        mid = len(tokens) // 2
+        tokens[mid:mid + 32] = tokens[mid:mid + 32][::-1].copy() + 1  # ids stay below the vocabulary size
+        assert tokens.max() < 1024
+        tokens.tofile(shard)
+    code, err = cli(tmp_path / "second", "trainer.max_steps=1", f"paths.cache_dir={cache}")
+    assert code == 2
+    line = only_error(err)
+    named = line.split("error: shard ", 1)[1].split(" is corrupt: block 0 (bytes 0-", 1)[0]
+    assert Path(named) in damaged, line
+    assert f"; delete {Path(named).parent} and rerun to rebuild it" in line
+    assert not (tmp_path / "second" / "checkpoints").exists()  # refused before training
+    assert not (tmp_path / "second" / "csv").exists() or not list((tmp_path / "second" / "csv").glob("*.csv"))
+
+
 def test_hub_dataset_without_network_through_a_run(cli, tmp_path, monkeypatch):
     monkeypatch.setattr(sources, "hub_reachable", lambda timeout=3.0: False)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -188,7 +211,7 @@ def test_unknown_guard_policy(cli, tmp_path):
     assert only_error(err) == "error: callbacks.nan_guard.policy='ignore': use one of ['halt', 'skip']"
 
 
-# ---- validation before any expensive work (bnlit/validate.py) ---------------------------------
+# ---- validation before any expensive work (bnlit/preflight.py) ---------------------------------
 # (overrides, the exact error line): each must come within seconds, before the corpus is cleaned,
 # the tokenizer trained or a shard built, and leave the (private) cache empty
 BAD_VALUES = [
@@ -356,7 +379,7 @@ def bad_files(d: Path) -> list[tuple[str, Path, str]]:
 
 def test_bad_data_files_are_refused_with_the_line_and_the_fix(tmp_path):
     from bnlit.errors import DataError
-    from bnlit.validate import check_data_file
+    from bnlit.preflight import check_data_file
 
     for case, path, message in bad_files(tmp_path):
         with pytest.raises(DataError) as e:
@@ -395,7 +418,7 @@ def test_non_string_text_while_reading_is_an_error_not_a_skip(tmp_path):
 def test_missing_text_field_and_unreadable_file(tmp_path, monkeypatch):
     import os
 
-    import bnlit.validate as validate
+    import bnlit.preflight as validate
     from bnlit.errors import DataError
 
     body = write(tmp_path / "body.jsonl", '{"body": "x"}\n')

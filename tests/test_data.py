@@ -5,7 +5,8 @@ import pytest
 
 from bnlit.data import embedded
 from bnlit.data.dataset import MixtureSampler, PackedWindows, epoch_order, mixture_counts
-from bnlit.data.shards import build_shards, is_validation, load_index, read_tokens
+from bnlit.data import shards
+from bnlit.data.shards import build_shards, is_validation, load_index, read_tokens, verify_index
 from bnlit.data.sources import Source, check_text_file, iter_documents
 from bnlit.errors import DataError
 from bnlit.tokenizer import Tokenizer, train_tokenizer
@@ -50,6 +51,37 @@ def test_index_that_does_not_match_its_data_file_is_refused(tok, tmp_path):
     with open(out / "bn.train.bin", "ab") as f:
         f.write(b"\0\0")
     with pytest.raises(DataError, match="does not match its index"):
+        load_index(out)
+
+
+def test_index_records_block_checksums_and_a_changed_byte_is_named(tok, tmp_path, monkeypatch):
+    monkeypatch.setattr(shards, "BLOCK_BYTES", 1000)  # several blocks per file
+    out = build_shards(tmp_path, [("bn", "bn", docs_of(4))], ["x"], tok, 0.1)
+    index = load_index(out, verify=True)
+    entry = index["sources"]["bn"]["train"]
+    size = (out / "bn.train.bin").stat().st_size
+    assert index["checksum"] == {"algorithm": "xxh3_64", "block_bytes": 1000}
+    assert len(entry["blocks"]) == -(-size // 1000) >= 3
+    assert verify_index(out, index) == size + (out / "bn.val.bin").stat().st_size
+    with open(out / "bn.train.bin", "r+b") as f:  # one token changed in the third block, size unchanged
+        f.seek(2500)
+        old = f.read(2)
+        f.seek(2500)
+        f.write(bytes([old[0] ^ 1, old[1]]))
+    load_index(out)  # the size check alone passes
+    with pytest.raises(DataError, match=rf"shard {out}/bn.train.bin is corrupt: block 2 \(bytes 2000-3000\) does not "
+                                        rf"match its xxh3_64 in {out}/index.json; delete {out} and rerun to rebuild it"):
+        load_index(out, verify=True)
+
+
+def test_index_without_checksums_is_refused_with_the_fix(tok, tmp_path):
+    out = build_shards(tmp_path, [("bn", "bn", docs_of(2))], ["x"], tok, 0.1)
+    index = json.loads((out / "index.json").read_text())
+    del index["checksum"]
+    index["version"] = 1
+    (out / "index.json").write_text(json.dumps(index))
+    with pytest.raises(DataError, match=rf"shard index {out}/index.json is format version 1 \(this bnlit reads 2, "
+                                        rf"with block checksums\); delete {out} to rebuild"):
         load_index(out)
 
 

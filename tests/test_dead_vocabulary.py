@@ -1,10 +1,10 @@
-"""Dead-vocabulary report (bnlit/dead_vocabulary.py): planted unused pieces are reported exactly."""
+"""Dead-vocabulary report (bnlit/checks/dead_vocabulary.py): planted unused pieces are reported exactly."""
 
 import numpy as np
 import pytest
 
-from bnlit.dead_vocabulary import dead_vocabulary, format_report, piece_language
-from bnlit.ngram import NgramCounts
+from bnlit.checks.dead_vocabulary import dead_vocabulary, format_report, piece_language
+from bnlit.evaluation.ngram import NgramCounts
 from bnlit.tokenizer import Tokenizer, train_tokenizer
 from helpers_data import document
 

@@ -1,4 +1,4 @@
-"""bnlit.evaluation, bnlit.multiple_choice and the RandomTwinNLL callback."""
+"""bnlit.evaluation.heldout, bnlit.evaluation.multiple_choice and the RandomTwinNLL callback."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from bnlit import CONF_DIR
-from bnlit.evaluation import (EvalResult, NLLSum, documents_prefix, evaluate_documents, evaluate_stream, text_size,
+from bnlit.evaluation.heldout import (EvalResult, NLLSum, documents_prefix, evaluate_documents, evaluate_stream, text_size,
                               token_stream, twin_model, twin_verdicts, uniform_nll, windows)
-from bnlit.multiple_choice import MultipleChoiceItem, continuation_logprob, encode_pair, load_items, score_items
+from bnlit.evaluation.multiple_choice import MultipleChoiceItem, continuation_logprob, encode_pair, load_items, score_items
 from bnlit.model import ModelConfig, Transformer
 from bnlit.run_report import read_metrics
 from bnlit.train import train
@@ -173,7 +173,7 @@ def test_scripts_and_callbacks_score_with_the_mask_the_model_trained_with(tmp_pa
     assert packed.nll_sum == pytest.approx(one_by_one, rel=1e-5)
     assert evaluate_documents(model, tok, docs, seq_len=64, document_masking=False).nll_sum != \
         pytest.approx(one_by_one, rel=1e-4)
-    from bnlit.evaluation import score_slices
+    from bnlit.evaluation.heldout import score_slices
 
     stream = token_stream(tok.encode_batch(docs), tok.eos_id)
     sliced = score_slices(model, {"x": (stream, 1, 1)}, 64, 2, eos_id=tok.eos_id, document_masking=True)["x"]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from hydra.utils import instantiate
 
-from bnlit import fertility
+from bnlit.checks import fertility
 from bnlit.data import BnDataModule, embedded
 from bnlit.data.dataset import MixtureSampler
 from bnlit.errors import ConfigError, TokenizerError

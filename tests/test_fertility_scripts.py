@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bnlit import fertility
+from bnlit.checks import fertility
 from bnlit.data import embedded
 from bnlit.tokenizer import Tokenizer
 

@@ -2,7 +2,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from bnlit.flops import flops_per_token, param_counts
+from bnlit.speed.flops import flops_per_token, param_counts
 from bnlit.model import ModelConfig, Transformer
 from bnlit.module import next_token_loss
 

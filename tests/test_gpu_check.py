@@ -41,7 +41,7 @@ def test_switches_bench_each_loss_impl_and_fused_at_fp32():
     assert "--override=module.sdpa_backend=cudnn" in checks["bench_sdpa_cudnn"]
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="machine: has CUDA (checks the CPU-only refusal)")
 def test_without_cuda_it_fails_fast_with_one_line():
     out = run()
     assert out.returncode == 2

@@ -15,8 +15,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from bnlit import gradient_flow as gf
-from bnlit.gradient_flow import (
+from bnlit.checks import gradient_flow as gf
+from bnlit.checks.gradient_flow import (
     compare_gradients,
     eager_fp32,
     fast_path_parity,

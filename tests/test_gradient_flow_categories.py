@@ -33,8 +33,8 @@ from test_gradient_flow import (
 )
 
 from bnlit import CONF_DIR
-from bnlit.flops import parity_probe_memory_bytes
-from bnlit.gradient_flow import (
+from bnlit.speed.flops import parity_probe_memory_bytes
+from bnlit.checks.gradient_flow import (
     GradientSentinel,
     eager_fp32,
     embedding_row_exempt,
@@ -381,7 +381,7 @@ def test_module_without_the_hook_skips_the_probe_with_one_line(tmp_path, caplog)
     assert trainer.global_step == 6 and arbiter.last_report["ok"]
     lines = [r.message for r in caplog.records if "fast-path parity" in r.message]
     assert lines == ["fast-path parity: skipped, NoHookModule has no loss_for_batch(batch) -> loss hook "
-                     "(see the README, \"Gradient flow (the arbiter)\")"]
+                     "(see docs/gradient-flow.md)"]
 
 
 def test_a_probe_that_raises_never_hides_the_verdict(tmp_path, caplog):

@@ -1,4 +1,4 @@
-"""Freed host tensors are reused, not faulted in again every step (bnlit/host_malloc.py).
+"""Freed host tensors are reused, not faulted in again every step (bnlit/speed/host_malloc.py).
 
 Measured in a fresh interpreter, as a training run calls it at start: inside the pytest process the
 heap's state depends on every test that ran before (a mapping above the program break makes glibc
@@ -16,7 +16,7 @@ import pytest
 PROBE = r"""
 import json, resource, sys
 import torch
-from bnlit.host_malloc import keep_freed_memory
+from bnlit.speed.host_malloc import keep_freed_memory
 
 def faults(nbytes, times):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -39,7 +39,7 @@ def _probe(mode: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallopt")
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="machine: not Linux (glibc mallopt)")
 def test_large_freed_tensors_are_reused_without_page_faults():
     kept, default = _probe("keep"), _probe("default")
     assert kept["applied"]

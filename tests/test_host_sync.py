@@ -14,7 +14,7 @@ import lightning as L
 import pytest
 import torch
 
-from bnlit.guard import DivergenceError
+from bnlit.checks.nan_guard import DivergenceError
 from bnlit.train import train
 
 HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "cpu", "numpy")

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from bnlit.checkpointing import (
-    AtomicCheckpointIO, Interrupted, SignalLatch, checkpoint_step, newest_checkpoint, newest_k, remove_partial_writes,
-    resolve_ckpt_path, tmp_name,
+    AtomicCheckpointIO, checkpoint_step, newest_checkpoint, newest_k, remove_partial_writes, resolve_ckpt_path, tmp_name,
 )
-from bnlit.csv_logger import read_whole_rows
+from bnlit.interrupt import Interrupted, SignalLatch
+from bnlit.loggers import read_whole_rows
 from conftest import TINY
 from helpers_dist import run_train_cli, train_losses as losses
 
@@ -146,7 +146,7 @@ def test_partial_writes_are_removed_and_only_they(tmp_path):
 
 
 def test_requeue_names_the_array_task(monkeypatch):
-    from bnlit.checkpointing import requeue_slurm_job
+    from bnlit.interrupt import requeue_slurm_job
 
     calls = []
     monkeypatch.setenv("SLURM_JOB_ID", "12")
@@ -205,7 +205,7 @@ class SelfInterrupting(torch.utils.data.Dataset):
 
 
 def test_data_loader_workers_survive_ctrl_c_and_slurm_signals():
-    from bnlit.checkpointing import worker_ignores_interrupts
+    from bnlit.interrupt import worker_ignores_interrupts
 
     # the trainer's handlers at fork time: a worker must not run them (submitit would requeue the job)
     ran = []

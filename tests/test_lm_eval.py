@@ -1,5 +1,5 @@
 """EleutherAI's lm-evaluation-harness (the ``eval`` extra) scores a bnlit Hugging Face export with
-bnlit's task definitions (bnlit/lm_eval_tasks) and agrees with ``scripts/evaluate.py``: held-out
+bnlit's task definitions (bnlit/evaluation/lm_eval_tasks) and agrees with ``scripts/evaluate.py``: held-out
 bits/char and multiple-choice accuracy (slow; under CI=true a missing lm-eval fails)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 from bnlit.train import train
 
 ROOT = Path(__file__).resolve().parents[1]
-TASKS = ROOT / "bnlit" / "lm_eval_tasks"
+TASKS = ROOT / "bnlit" / "evaluation" / "lm_eval_tasks"
 FIXTURES = Path(__file__).parent / "fixtures"
 
 
@@ -90,7 +90,7 @@ def test_tasks_ship_with_the_package_and_name_their_inputs():
     setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     assert {p.name for p in TASKS.iterdir() if p.suffix in (".yaml", ".py")} == {
         "bnlit_bits_per_char.yaml", "bnlit_multiple_choice.yaml", "utils.py"}
-    assert set(setup["package-data"]["bnlit"]) == {"lm_eval_tasks/*.yaml", "lm_eval_tasks/*.py"}
+    assert set(setup["package-data"]["bnlit.evaluation"]) == {"lm_eval_tasks/*.yaml", "lm_eval_tasks/*.py"}
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("bnlit_lm_eval_task_utils", TASKS / "utils.py")

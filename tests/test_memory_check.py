@@ -9,7 +9,7 @@ from pathlib import Path
 
 from hydra.utils import instantiate
 
-from bnlit.flops import param_counts
+from bnlit.speed.flops import param_counts
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from bnlit.fast_path import compile_part, describe_fast_path, loader_part, optimizer_part, sdpa_part
+from bnlit.speed.fast_path import compile_part, describe_fast_path, loader_part, optimizer_part, sdpa_part
 from bnlit.model import ModelConfig, Transformer
 from bnlit.module import LMModule
 

@@ -13,7 +13,7 @@ import lightning as L
 import pytest
 import torch
 
-from bnlit.guard import DivergenceError, SkipBudget, SpikeTracker, verdict
+from bnlit.checks.nan_guard import DivergenceError, SkipBudget, SpikeTracker, verdict
 from bnlit.train import train
 from bnlit.callbacks.nan_guard import NaNGuard
 

@@ -1,11 +1,11 @@
-"""N-gram baselines (bnlit/ngram.py) against a hand-computed example."""
+"""N-gram baselines (bnlit/evaluation/ngram.py) against a hand-computed example."""
 
 import math
 
 import numpy as np
 import pytest
 
-from bnlit.ngram import NgramCounts, discount, load_baselines, save_baselines, training_streams
+from bnlit.evaluation.ngram import NgramCounts, discount, load_baselines, save_baselines, training_streams
 
 # V = 5, eos = 0: two documents "1 2" and "1 3", and token 4 never seen
 STREAM = np.array([0, 1, 2, 0, 1, 3, 0])
@@ -95,8 +95,8 @@ def test_save_load_and_shard_streams(tmp_path):
 
 
 def test_verdicts_and_summary_line():
-    from bnlit.evaluation import EvalResult
-    from bnlit.ngram import baseline_verdicts, beaten, summary_line
+    from bnlit.evaluation.heldout import EvalResult
+    from bnlit.evaluation.ngram import baseline_verdicts, beaten, summary_line
 
     ln2 = math.log(2)
     bpc = lambda b: EvalResult(b * ln2 * 100, 50, 100, 300)  # noqa: E731  (b bits/char over 100 chars)
@@ -113,7 +113,7 @@ def test_verdicts_and_summary_line():
 
 
 def test_chunked_shard_counts_equal_whole_stream_counts(tmp_path):
-    from bnlit.ngram import count_languages, count_shards
+    from bnlit.evaluation.ngram import count_languages, count_shards
 
     rng = np.random.default_rng(0)
     index = {"dtype": "uint16", "sources": {}}

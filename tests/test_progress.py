@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from bnlit import progress
-from bnlit.threads import choose_threads, rechoose_threads
+from bnlit.speed.threads import choose_threads, rechoose_threads
 from bnlit.callbacks.progress_bar import RunProgressBar
 from bnlit.progress import run_total_steps
 from bnlit.callbacks.threads import ThreadsFollowLoad

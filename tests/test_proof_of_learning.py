@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bnlit.ngram import NgramCounts, baseline_path
-from bnlit.starvation import LanguageStarvationError
+from bnlit.evaluation.ngram import NgramCounts, baseline_path
+from bnlit.checks.starvation import LanguageStarvationError
 from bnlit.train import train
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -125,7 +125,7 @@ def test_evaluate_scores_each_document_as_if_alone(healthy_run, tmp_path, capsys
     import torch
 
     from bnlit.checkpointing import load_model
-    from bnlit.evaluation import evaluate_documents
+    from bnlit.evaluation.heldout import evaluate_documents
 
     cfg, _ = healthy_run
     ckpt = Path(cfg.paths.output_dir) / "checkpoints" / "last.ckpt"
@@ -163,7 +163,7 @@ def test_healthy_mixture_does_not_trip_the_starvation_alarm(make_cfg):
 
 
 def test_belebele_rows_are_read_as_cloze_items(tmp_path):
-    from bnlit.multiple_choice import load_items
+    from bnlit.evaluation.multiple_choice import load_items
 
     row = {"flores_passage": "নদীর ধারে একটি গ্রাম। ", "question": "গ্রামটি কোথায়?", "mc_answer1": "পাহাড়ে",
            "mc_answer2": "নদীর ধারে", "mc_answer3": "শহরে", "mc_answer4": "সমুদ্রে", "correct_answer_num": "2"}

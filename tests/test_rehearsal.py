@@ -122,7 +122,8 @@ def test_fsdp_rehearsal_parity_and_resume(tmp_path, cache_dir):
     out = run_cli(run, "model=tiny", "trainer=fsdp", "debug=rehearsal")
     assert_rehearsal(out, run, "fast path: bf16-mixed autocast, torch.compile(fullgraph) x2 blocks, fused AdamW, "
                                "sdpa=cpu, attention=sdpa:flash (document mask), loss=chunked, "
-                               "strategy=fsdp2(2, gloo), accumulate=2, workers=4")
+                               "strategy=fsdp2(2, gloo), mesh=1x2 (replicate x shard), all-gather=bf16, "
+                               "reduce-scatter=fp32, accumulate=2, workers=4")
 
     exact = ["trainer.precision=32-true", "module.compile=false", "data.num_workers=0", "validate_at_start=false"]
     one, two = tmp_path / "one" / "run", tmp_path / "two" / "run"

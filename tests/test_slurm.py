@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.slurm]
 
 TESTS = Path(__file__).parent
 SEEDS = (1337, 7)
-# the README's recipe; debug=rehearsal makes it 1 node x 2 CPU processes; this cluster has no GPUs
+# docs/production.md's recipe; debug=rehearsal makes it 1 node x 2 CPU processes; this cluster has no GPUs
 # and 2 CPUs; the run is cut to the test corpus (TINY) and 6 steps
 SLURM = [
     "hydra/launcher=slurm", "trainer=multinode", "debug=rehearsal",

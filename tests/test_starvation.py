@@ -1,6 +1,6 @@
-"""Language-starvation detector (bnlit/starvation.py): planted stalls caught, healthy runs pass."""
+"""Language-starvation detector (bnlit/checks/starvation.py): planted stalls caught, healthy runs pass."""
 
-from bnlit.starvation import starvation_message, starved_languages, trend
+from bnlit.checks.starvation import starvation_message, starved_languages, trend
 
 
 def test_stalled_language_is_starved_while_another_improves():

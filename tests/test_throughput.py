@@ -12,10 +12,10 @@ from hydra import compose, initialize_config_dir
 from torch.utils.data import DataLoader, TensorDataset
 
 from bnlit import CONF_DIR
-from bnlit.flops import flops_per_token
+from bnlit.speed.flops import flops_per_token
 from bnlit.model import ModelConfig, Transformer
 from bnlit.module import LMModule
-from bnlit.throughput import (
+from bnlit.speed.throughput import (
     UNKNOWN,
     PEAKS,
     StepRecord,
@@ -320,7 +320,7 @@ def test_bench_script_runs_on_cpu(cache_dir, capsys):
 
 def test_mfu_floor_patience_without_a_trainer():
     """Fires only after ``patience`` consecutive low logging steps past warmup; a good step resets it."""
-    from bnlit.throughput import MFUFloor, Peak
+    from bnlit.speed.throughput import MFUFloor, Peak
     floor, cpu = MFUFloor(cpu_min_mfu_pct=20.0, warmup_steps=2, patience=2), torch.device("cpu")
     peak = Peak(1e12, "cpu", "override", "test", False)
     low = {"mfu_pct": 5.0, "tokens_per_s": 1.0, "step_ms": 1.0, "data_wait_pct": 0.0}
@@ -334,7 +334,7 @@ def test_mfu_floor_patience_without_a_trainer():
 
 def test_measured_cpu_peak_follows_the_thread_count():
     """callbacks.threads changes the thread count during a run; MFU must use that count's peak."""
-    from bnlit.throughput import Peak, measure_matmul_peak, refresh_peak, resolve_peak
+    from bnlit.speed.throughput import Peak, measure_matmul_peak, refresh_peak, resolve_peak
 
     before = torch.get_num_threads()
     try:

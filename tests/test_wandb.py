@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from bnlit.run_report import REDACTED, redact
+from bnlit.loggers import REDACTED, redact
 from conftest import TINY
 
 FAKE_KEY = "bnlit" + "0123456789abcdef" * 2 + "fake"  # 41 characters, like a real key
@@ -56,7 +56,7 @@ def test_offline_run_never_writes_the_api_key(tmp_path, cache_dir):
 
 
 def test_summary_from_csv_and_tables(tmp_path):
-    from bnlit.run_report import write_json_atomic
+    from bnlit.loggers import write_json_atomic
     from bnlit.run_report import read_metrics, write_summary
 
     (tmp_path / "csv").mkdir()

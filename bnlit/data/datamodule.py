@@ -1,7 +1,8 @@
 """The LightningDataModule: sources -> tokenizer (trained or reused) -> packed shards -> windows.
 
 ``prepare_data`` (one process per node) materialises the embedded corpus, trains or loads the
-tokenizer and builds the shards; ``setup`` (every process) opens them read-only. Everything built
+tokenizer, builds the shards and checks them against their index's checksums; ``setup`` (every
+process) opens them read-only. Everything built
 is cached under ``cache_dir`` by a hash of its inputs, so a second run starts at once and a
 changed source or tokenizer rebuilds."""
 
@@ -22,7 +23,7 @@ import torch.distributed as dist
 from torch.utils.data import ConcatDataset, DataLoader
 
 from bnlit import progress as progress_bars
-from bnlit.checkpointing import worker_ignores_interrupts
+from bnlit.interrupt import worker_ignores_interrupts
 from bnlit.data import embedded
 from bnlit.data.dataset import MixtureSampler, PackedWindows, mixture_counts, resume_start
 from bnlit.data.pipeline import CleanConfig, clean_sources, load_stats, read_clean
@@ -30,7 +31,7 @@ from bnlit.data.report import build_report, log_report, write_report
 from bnlit.data.shards import build_shards, is_validation, load_index, read_tokens
 from bnlit.data.sources import Source, check_exists, fingerprint, iter_documents
 from bnlit.errors import ConfigError, TokenizerError
-from bnlit.fertility import by_language, chars_per_token, effective_shares, token_weights_for_char_shares
+from bnlit.checks.fertility import by_language, chars_per_token, effective_shares, token_weights_for_char_shares
 from bnlit.tokenizer import RECIPE_VERSION, Tokenizer, sample_by_language, train_tokenizer, training_lines
 
 log = logging.getLogger(__name__)
@@ -236,7 +237,8 @@ class BnDataModule(L.LightningDataModule):
                 num_proc=self.num_proc,
                 total_chars=total_chars,
             )
-        self.index = load_index(self.shard_dir)
+        # every block against the index's checksum, once per node (local rank zero), before training
+        self.index = load_index(self.shard_dir, verify=self.trainer is None or self.trainer.local_rank == 0)
         tokens = {split: sum(e[split]["tokens"] for e in self.index["sources"].values()) for split in ("train", "val")}
         progress_bars.stage_summary("shards", f"{progress_bars.human(tokens['train'])} training and "
                                     f"{progress_bars.human(tokens['val'])} validation tokens in {self.shard_dir}",
@@ -368,7 +370,7 @@ class BnDataModule(L.LightningDataModule):
             num_workers=self.num_workers,
             pin_memory=self.pin_memory,
             persistent_workers=self.num_workers > 0,
-            worker_init_fn=worker_ignores_interrupts if self.num_workers > 0 else None,  # Ctrl-C: see bnlit.checkpointing
+            worker_init_fn=worker_ignores_interrupts if self.num_workers > 0 else None,  # Ctrl-C: see bnlit.interrupt
             # batches each worker keeps ready (torch's default, 2, when None); workers only
             prefetch_factor=self.prefetch_factor if self.num_workers > 0 else None,
         )

@@ -17,7 +17,7 @@ For the tokenizer only (never for the language model), :func:`word_lines` turns 
 frequency list from the PyPI package ``wordfreq`` (Robyn Speer; word counts from Wikipedia,
 subtitles, news and web text; data CC BY-SA 4.0) into lines of words drawn in proportion to their
 frequency. For Bangla it gives the vocabulary the modern spellings and inflections the OCR of old
-books lacks (README "Tokenizer fertility").
+books lacks (docs/tokenizer.md).
 """
 
 from __future__ import annotations

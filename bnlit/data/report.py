@@ -3,7 +3,7 @@
 ``build_report`` combines the shard index (documents, characters, tokens per source and split)
 with the cleaning stats of :func:`bnlit.data.pipeline.clean_sources` (filters, dedup,
 decontamination). ``write_report`` puts ``data_report.json`` and ``data_report.md`` in the run
-directory; ``log_report`` sends its tables through :func:`bnlit.run_report.log_table` (W&B and
+directory; ``log_report`` sends its tables through :func:`bnlit.loggers.log_table` (W&B and
 ``<run dir>/tables/``). Evaluation tools read ``validation_decontaminated`` from the JSON: true
 when every training document sharing enough n-grams with the validation text was removed.
 """
@@ -13,8 +13,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from bnlit.fertility import chars_per_token
-from bnlit.run_report import write_json_atomic
+from bnlit.checks.fertility import chars_per_token
+from bnlit.loggers import write_json_atomic
 
 REPORT_JSON = "data_report.json"
 REPORT_MD = "data_report.md"
@@ -133,7 +133,7 @@ def write_report(run_dir: str | os.PathLike, report: dict) -> Path:
 
 
 def log_report(trainer, report: dict) -> None:
-    from bnlit.run_report import log_table
+    from bnlit.loggers import log_table
 
     log_table(trainer, "data/languages", LANGUAGE_COLUMNS, language_rows(report))
     log_table(trainer, "data/dropped", DROPPED_COLUMNS, dropped_rows(report))

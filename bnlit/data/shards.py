@@ -11,6 +11,12 @@ without tokenizing them, and the result is byte-identical to an uninterrupted bu
 directory is renamed to ``root/<key>/`` (a reader never sees a half-written shard set); the key is
 a hash of everything the tokens depend on, so a changed source or tokenizer builds a new set and
 an unchanged one is reused. A lock file serialises concurrent builders of the same key.
+
+The index records an xxh3-64 checksum of every ``BLOCK_BYTES`` block of every data file
+(:func:`block_checksums`); :func:`verify_index` rereads the files and names the first block whose
+bytes changed (a bit flip on a network filesystem, a partial overwrite: the size check alone
+catches only a file cut short). Blocks keep the index small for multi-GB files and say where the
+damage is; the cost per GB is printed by ``scripts/bench_shard_check.py``.
 """
 
 from __future__ import annotations
@@ -27,19 +33,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import xxhash
 
 from bnlit.data.normalize import NORMALIZATION_VERSION
 from bnlit.errors import DataError
 from bnlit.progress import bar as progress_bar
 from bnlit.tokenizer import Tokenizer
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: per-block checksums in the index
 INDEX_FILE = "index.json"
 PROGRESS_FILE = "progress.json"
 BUILD_FILE = "build.json"
 SPLITS = ("train", "val")
 CHUNK_CHARS = 1_000_000
 KILL_AFTER_ENV = "BNLIT_SHARDS_KILL_AFTER"  # test hook: SIGKILL this process after N committed chunks
+CHECKSUM = "xxh3_64"  # non-cryptographic: it guards against damage, not an adversary, at memory speed
+BLOCK_BYTES = 64 << 20
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -252,11 +261,13 @@ def _build_locked(root, key, sources, fingerprints, tokenizer, val_fraction, num
             pool.join()
     index = {"version": FORMAT_VERSION, "key": key, "dtype": dtype.name,
              "tokenizer_sha256": tokenizer.sha256, "vocab_size": tokenizer.vocab_size,
-             "val_fraction": val_fraction, "sources": {}}
+             "val_fraction": val_fraction, "checksum": {"algorithm": CHECKSUM, "block_bytes": BLOCK_BYTES},
+             "sources": {}}
     for (name, language, _), fp in zip(sources, fingerprints):
         st = progress["sources"][name]
         index["sources"][name] = {"language": language, "fingerprint": fp, **{
-            split: {"file": f"{name}.{split}.bin", **{k: st[split][k] for k in ("tokens", "docs", "chars", "bytes")}}
+            split: {"file": f"{name}.{split}.bin", **{k: st[split][k] for k in ("tokens", "docs", "chars", "bytes")},
+                    "blocks": block_checksums(work / f"{name}.{split}.bin", BLOCK_BYTES)}
             for split in SPLITS}}
     (work / INDEX_FILE).write_text(json.dumps(index, indent=2))
     total = sum(st["chunks"] for st in progress["sources"].values())
@@ -268,15 +279,30 @@ def _build_locked(root, key, sources, fingerprints, tokenizer, val_fraction, num
     return final
 
 
-def load_index(shard_dir: str | os.PathLike) -> dict:
-    """Read and verify a shard index: every data file must exist with exactly the size it
-    declares."""
+def block_checksums(path: str | os.PathLike, block_bytes: int) -> list[str]:
+    """The :data:`CHECKSUM` (hex) of each consecutive ``block_bytes`` of a file (the last block
+    shorter); an empty file has none."""
+    out = []
+    buf = bytearray(min(block_bytes, max(os.path.getsize(path), 1)))
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            out.append(xxhash.xxh3_64_hexdigest(view[:n]))
+    return out
+
+
+def load_index(shard_dir: str | os.PathLike, verify: bool = False) -> dict:
+    """Read and check a shard index: every data file must exist with exactly the size it declares
+    and, with ``verify``, the checksum of every block (:func:`verify_index`)."""
     shard_dir = Path(shard_dir)
     path = shard_dir / INDEX_FILE
     try:
         index = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise DataError(f"shard index {path} is unreadable ({type(e).__name__}); delete {shard_dir} to rebuild") from None
+    if index.get("version") != FORMAT_VERSION or "checksum" not in index:
+        raise DataError(f"shard index {path} is format version {index.get('version')} (this bnlit reads "
+                        f"{FORMAT_VERSION}, with block checksums); delete {shard_dir} to rebuild")
     itemsize = np.dtype(index["dtype"]).itemsize
     for name, entry in index["sources"].items():
         for split in SPLITS:
@@ -286,7 +312,41 @@ def load_index(shard_dir: str | os.PathLike) -> dict:
             if actual != expected:
                 raise DataError(f"shard {f} does not match its index ({actual} bytes, index says "
                                 f"{expected}); delete {shard_dir} to rebuild")
+    if verify:
+        verify_index(shard_dir, index)
     return index
+
+
+def verify_index(shard_dir: str | os.PathLike, index: dict) -> int:
+    """Reread every data file of a shard set and compare each block with the checksum its index
+    records; returns the bytes checked.
+
+    Raises:
+        DataError: one line naming the file, the first damaged block and its byte range, and the
+            fix (delete the shard directory; the next run rebuilds it, deterministically).
+    """
+    shard_dir = Path(shard_dir)
+    algorithm, block_bytes = index["checksum"]["algorithm"], int(index["checksum"]["block_bytes"])
+    if algorithm != CHECKSUM:
+        raise DataError(f"shard index {shard_dir / INDEX_FILE}: checksum {algorithm!r} is not {CHECKSUM!r}; "
+                        f"delete {shard_dir} to rebuild")
+    checked = 0
+    for entry in index["sources"].values():
+        for split in SPLITS:
+            f = shard_dir / entry[split]["file"]
+            want = entry[split]["blocks"]
+            got = block_checksums(f, block_bytes)
+            for i, (a, b) in enumerate(zip(got, want)):
+                if a != b:
+                    end = min((i + 1) * block_bytes, f.stat().st_size)
+                    raise DataError(f"shard {f} is corrupt: block {i} (bytes {i * block_bytes}-{end}) does not "
+                                    f"match its {CHECKSUM} in {shard_dir / INDEX_FILE}; delete {shard_dir} and "
+                                    "rerun to rebuild it (or restore the file from a good copy)")
+            if len(got) != len(want):
+                raise DataError(f"shard {f} has {len(got)} blocks of {block_bytes} bytes, its index "
+                                f"{len(want)}; delete {shard_dir} and rerun to rebuild it")
+            checked += f.stat().st_size
+    return checked
 
 
 def read_tokens(shard_dir: str | os.PathLike, index: dict, name: str, split: str) -> np.memmap | np.ndarray:

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bnlit.errors import DataError
-from bnlit.validate import check_exists, check_jsonl_file, check_text_file  # noqa: F401 (re-exported)
+from bnlit.preflight import check_exists, check_jsonl_file, check_text_file  # noqa: F401 (re-exported)
 
 _BUILDERS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 HUB_HOST = "huggingface.co"

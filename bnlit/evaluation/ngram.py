@@ -4,7 +4,7 @@ interpolated Kneser-Ney bigram, per language, counted from the training shards.
 A randomly initialised twin is the weakest possible baseline: a model that has learned only token
 frequencies already beats it by a wide margin. These tables answer the next two questions: has the
 model learned more than frequencies (below the unigram), and has it learned context (below the
-bigram)? Both are scored exactly like the model (:func:`bnlit.evaluation.evaluate_stream`): the
+bigram)? Both are scored exactly like the model (:func:`bnlit.evaluation.heldout.evaluate_stream`): the
 stream ``[eos] doc_1 [eos] doc_2 [eos] ...``, every token after the first predicted once, so their
 NLL/token, bits/char and bits/byte sit in the same table as the trained model's.
 
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bnlit.evaluation import EvalResult
+from bnlit.evaluation.heldout import EvalResult
 
 BASELINES = ("unigram", "bigram")
 BASELINE_DIR = "baselines"
@@ -126,7 +126,7 @@ class NgramCounts:
     # ---- scoring ---------------------------------------------------------------------------
     def nll(self, stream: np.ndarray, order: str) -> tuple[float, int]:
         """Summed NLL (nats) and number of scored tokens of ``stream`` (every token after the
-        first, as :func:`bnlit.evaluation.evaluate_stream` scores a model)."""
+        first, as :func:`bnlit.evaluation.heldout.evaluate_stream` scores a model)."""
         s = np.asarray(stream, dtype=np.int64)
         if s.size < 2:
             return 0.0, 0

@@ -15,7 +15,7 @@ factor (the slice's tokens per character / ln 2), so the verdict is the same for
 loss has not improved over the last ``patience`` validations while another's has (a mixture
 weight of 0.01, a tokenizer that inflates one language's token count).
 
-The maths is :mod:`bnlit.starvation`; this callback reads each language's ``val/<lang>_loss``
+The maths is :mod:`bnlit.checks.starvation`; this callback reads each language's ``val/<lang>_loss``
 (NLL/token on the same held-out windows every time, so its trend is the trend of bits/char),
 decides at every validation, and reports every language's trend at the end of training.
 """

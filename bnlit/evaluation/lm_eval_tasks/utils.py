@@ -10,9 +10,9 @@ A bnlit document is scored after the token that opens it in training, the end-of
   Hugging Face tokenizer turns into the end-of-document token, so every document token and one
   end-of-document token per document are predicted, as ``scripts/evaluate.py`` counts them. Bits
   are divided by the characters and UTF-8 bytes of the documents' text.
-- ``bnlit_multiple_choice`` (``multiple_choice``): the context is ``</s>`` + context (lm-eval
+- ``bnlit.evaluation.multiple_choice`` (``multiple_choice``): the context is ``</s>`` + context (lm-eval
   tokenizes a context without a BOS otherwise), each choice follows with no delimiter, as
-  ``bnlit.multiple_choice`` scores it; ``acc_norm`` divides by the choice's characters.
+  ``bnlit.evaluation.multiple_choice`` scores it; ``acc_norm`` divides by the choice's characters.
 """
 
 from __future__ import annotations
@@ -25,14 +25,14 @@ EOS_TEXT = "</s>"  # the exported tokenizer's eos (and BOS) token, typed as text
 def _need(value, key: str, what: str) -> str:
     if not value:
         raise ValueError(f"bnlit lm-eval task: name the {what} file with --metadata {key}=FILE "
-                         "(merged with --model_args; bnlit/lm_eval_tasks/utils.py)")
+                         "(merged with --model_args; bnlit/evaluation/lm_eval_tasks/utils.py)")
     return str(value)
 
 
 def held_out_text(text: str | None = None, **_) -> datasets.DatasetDict:
     """``--metadata text=FILE``: ``.jsonl`` (a ``text`` field per line) or plain text (one document
-    per blank-line separated paragraph), read by ``bnlit.evaluation.read_documents``."""
-    from bnlit.evaluation import read_documents
+    per blank-line separated paragraph), read by ``bnlit.evaluation.heldout.read_documents``."""
+    from bnlit.evaluation.heldout import read_documents
 
     docs = read_documents(_need(text, "text", "held-out text"))
     return datasets.DatasetDict({"test": datasets.Dataset.from_dict({"text": docs})})
@@ -53,8 +53,8 @@ def bits_per_char_results(doc: dict, results) -> dict:
 
 def multiple_choice_items(multiple_choice: str | None = None, **_) -> datasets.DatasetDict:
     """``--metadata multiple_choice=FILE``: bnlit's ``{"context", "choices", "label"}`` JSONL, read
-    (and checked) by ``bnlit.multiple_choice.load_items``."""
-    from bnlit.multiple_choice import load_items
+    (and checked) by ``bnlit.evaluation.multiple_choice.load_items``."""
+    from bnlit.evaluation.multiple_choice import load_items
 
     items = load_items(_need(multiple_choice, "multiple_choice", "multiple-choice JSONL"))
     return datasets.DatasetDict({"test": datasets.Dataset.from_dict({

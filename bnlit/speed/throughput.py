@@ -1,7 +1,7 @@
 """Throughput and MFU bookkeeping, apart from the model (torchtitan's split).
 
 ``mfu = flops_per_token * tokens_per_s / peak_flops`` (Chowdhery et al. 2022, PaLM, appendix B):
-model FLOPs per token come from :func:`bnlit.flops.flops_per_token`, the peak from a table of
+model FLOPs per token come from :func:`bnlit.speed.flops.flops_per_token`, the peak from a table of
 **dense** bf16 tensor-core figures (the datasheets print the 2:4-sparse figure first; the dense one
 is half of it). A device the table does not know, and the CPU, are measured instead: the best
 rate of a large matmul in the training dtype, labelled ``measured`` wherever it is reported.

@@ -18,7 +18,7 @@ whose tokenizer starves a language or whose mixture no longer says what the conf
 With ``parallel`` text configured it also measures the content-matched token premium and warns
 when it leaves ``premium_band``.
 
-The maths is :mod:`bnlit.fertility`; this callback only reads the data module's shard statistics
+The maths is :mod:`bnlit.checks.fertility`; this callback only reads the data module's shard statistics
 (``split_stats``, ``val_tokens``, ``mixture``), logs, and decides whether to stop.
 """
 

@@ -59,7 +59,7 @@ def training_memory_bytes(
 
 def parity_probe_memory_bytes(cfg: ModelConfig, probe_samples: int, probe_seq_len: int) -> dict[str, int]:
     """An upper bound on one device's peak memory while the gradient-flow arbiter's fast-path
-    parity probe runs (``bnlit.gradient_flow.fast_path_parity`` on ``probe_samples`` sequences of
+    parity probe runs (``bnlit.checks.gradient_flow.fast_path_parity`` on ``probe_samples`` sequences of
     ``probe_seq_len`` tokens), for sizing ``callbacks.gradient_flow.probe_*``.
 
     The probe runs after the training backward (its activations are freed) and before the

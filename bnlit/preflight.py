@@ -1,8 +1,8 @@
-"""Validation before any expensive work: every config value whose range is knowable and every
+"""Preflight: the checks before any expensive work. Every config value whose range is knowable and every
 local data file is checked within seconds, before corpus cleaning, tokenizer training or shard
 building, so a bad value costs seconds rather than the minutes of a data build.
 
-:func:`validate_config` is the one entry point (``bnlit.train.train`` calls it first). Each
+:func:`check_config` is the one entry point (``bnlit.train.train`` calls it first). Each
 failure is a :class:`~bnlit.errors.ConfigError` or :class:`~bnlit.errors.DataError` of one line:
 the field, the bad value and the fix. Nothing is written before it returns, so a refused run
 leaves no partial cache entry. The data-file checks (:func:`check_data_file`) are also what the
@@ -360,7 +360,7 @@ def check_data(cfg: DictConfig) -> None:
 
 
 # ---- the entry point --------------------------------------------------------------------------
-def validate_config(cfg: DictConfig) -> None:
+def check_config(cfg: DictConfig) -> None:
     """Every check that needs no data build, cheapest first; raises on the first failure."""
     check_values(cfg)
     check_steps(cfg)

@@ -17,8 +17,8 @@ and question as context, each answer as a continuation (:func:`belebele_item`).
 logged next to its chance baseline.
 
 Each task is a local JSONL file of ``{"context", "choices", "label"}`` (or Belebele's own fields,
-see :func:`bnlit.multiple_choice.load_items`), scored the way lm-eval-harness scores HellaSwag/PIQA/ARC
-(:func:`bnlit.multiple_choice.score_items`). Metrics: ``multiple_choice/<task>_acc_norm``, ``..._acc`` and
+see :func:`bnlit.evaluation.multiple_choice.load_items`), scored the way lm-eval-harness scores HellaSwag/PIQA/ARC
+(:func:`bnlit.evaluation.multiple_choice.score_items`). Metrics: ``multiple_choice/<task>_acc_norm``, ``..._acc`` and
 ``..._chance``. Scoring runs on global rank zero under ``fork_rng`` and ``no_grad`` and restores
 the model's mode, so training is untouched.
 """

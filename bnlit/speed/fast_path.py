@@ -1,13 +1,13 @@
 """The one line that says which fast path a run is really on, e.g.
 
 ``fast path: bf16-mixed autocast, torch.compile(fullgraph) x2 blocks, fused AdamW, sdpa=flash,
-attention=sdpa:flash (causal), loss=chunked, strategy=fsdp2(2, nccl), accumulate=16, workers=4
-(prefetch 4, pinned)``
+attention=sdpa:flash (causal), loss=chunked, strategy=fsdp2(16, nccl), mesh=2x8 (replicate x shard),
+all-gather=bf16, reduce-scatter=fp32, accumulate=16, workers=4 (prefetch 4, pinned)``
 
 Every part is read from the live objects after the strategy has set up the model (precision
 plugin, compiled submodules, the optimizer's own defaults, torch's SDPA switches, the process
-group, the train loader), never from config strings, so a switch that did not take effect cannot
-appear as on. Where the device cannot do what was asked (flash SDPA or pinned memory on a CPU),
+group, the sharded parameters and their FSDP units, the train loader), never from config
+strings, so a switch that did not take effect cannot appear as on. Where the device cannot do what was asked (flash SDPA or pinned memory on a CPU),
 the part says what was asked and what runs instead.
 """
 
@@ -88,6 +88,37 @@ def strategy_part(strategy) -> str:
     return f"strategy=single device ({strategy.root_device.type})"
 
 
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
+
+
+def _dtype_name(dtypes: set) -> str:
+    return "/".join(sorted(DTYPE_NAMES.get(d, str(d).removeprefix("torch.")) for d in dtypes)) or "?"
+
+
+def sharding_part(model: nn.Module) -> str | None:
+    """FSDP2's mesh and its collectives' dtypes, read from the sharded module itself: the mesh
+    and placements of a sharded parameter (a ``DTensor``: ``Shard(0)`` per sharded mesh dim,
+    ``Replicate()`` per replicated one), and the ``MixedPrecisionPolicy`` each FSDP unit holds
+    applied to its parameters' own dtype the way FSDP applies it (``FSDPParam.init_dtype_attrs``:
+    all-gather in ``param_dtype``, else the parameter's dtype; reduce-scatter in ``reduce_dtype``,
+    else the all-gather dtype). None when nothing is sharded."""
+    from torch.distributed.fsdp import FSDPModule
+
+    gather, reduce, first = set(), set(), None
+    for m in model.modules():
+        group = m._get_fsdp_state()._fsdp_param_group if isinstance(m, FSDPModule) else None
+        for fp in group.fsdp_params if group is not None else ():
+            first = fp.sharded_param if first is None else first
+            g = group.mp_policy.param_dtype or fp.sharded_param.dtype
+            gather.add(g)
+            reduce.add(group.mp_policy.reduce_dtype or g)
+    if first is None:
+        return None
+    kinds = ["shard" if p.is_shard() else "replicate" for p in first.placements]
+    layout = f"{'x'.join(map(str, first.device_mesh.shape))} ({' x '.join(kinds)})"
+    return f"mesh={layout}, all-gather={_dtype_name(gather)}, reduce-scatter={_dtype_name(reduce)}"
+
+
 def loader_part(loader) -> str:
     if loader is None:
         return "workers=?"
@@ -113,6 +144,7 @@ def describe_fast_path(trainer, module) -> str:
         *filter(None, [attention_part(module)]),
         f"loss={getattr(module, 'loss_impl', 'plain')}",
         strategy_part(trainer.strategy),
+        *filter(None, [sharding_part(model)]),
         f"accumulate={trainer.accumulate_grad_batches}",
         loader_part(trainer.train_dataloader),
     ]

@@ -26,7 +26,7 @@ or non-finite only after an exact re-check -- the fp32 L2 norm underflows to 0 f
 
 **The callback** (``bnlit.callbacks.gradient_flow``). ``GradientFlowArbiter``: turn a parameter that silently stops learning into a named error.
 
-A thin adapter over :mod:`bnlit.gradient_flow` (the checks, their settings and the report). At fit
+A thin adapter over :mod:`bnlit.checks.gradient_flow` (the checks, their settings and the report). At fit
 start it checks optimizer membership. Every optimizer step (``on_before_optimizer_step``: after the
 last micro-batch, after AMP unscaling, before clipping) the sentinel takes one fused norm pass,
 read every step on CPU and on logging steps on CUDA (the only host sync). At the first step, every
@@ -123,7 +123,7 @@ def _classify(tensors: Sequence[torch.Tensor]) -> tuple[list[float], list[bool],
 # ----------------------------------------------------------------------------------------------
 # 1. gradient flow
 
-VANISHING_FACTOR = 1e6  # see GradientFlowReport: healthy spreads measured in the README stay below 1e3
+VANISHING_FACTOR = 1e6  # see GradientFlowReport: healthy spreads measured in docs/gradient-flow.md stay below 1e3
 DEAD_ROW_SHARE = 0.5
 CATEGORIES = ("missing", "nonfinite", "zero", "vanishing", "dead_rows", "frozen_in_optimizer")
 
@@ -180,7 +180,7 @@ class GradientFlowReport:
     ``vanishing``: ``{name: ratio / median}`` for a parameter whose gradient-to-weight norm ratio
     ``||g|| / ||w||`` is ``vanishing_factor`` (1e6) or more times below the median over all checked
     parameters (``vanishing_median``; parameters with a zero weight norm are not judged). Healthy
-    models spread this ratio over < 1e3 (README); a gradient scaled down by a broken kernel or an
+    models spread this ratio over < 1e3 (docs/gradient-flow.md); a gradient scaled down by a broken kernel or an
     underflowing cast is 1e6-1e12 below.
 
     ``dead_rows``: ``{name: share}`` for a matrix (``ndim >= 2``) in which ``dead_row_share``
@@ -879,7 +879,7 @@ def fast_path_parity(
         batch: the probe batch, passed to ``loss_fn(batch) -> scalar loss`` -- the module's own
             training loss (``pl_module.loss_for_batch``); :func:`slice_batch` cuts it down.
         fast_context: the training forward context (``trainer.precision_plugin.forward_context()``).
-        min_cosine, max_rel_norm_error: per-parameter tolerances; see the README for the bf16
+        min_cosine, max_rel_norm_error: per-parameter tolerances; see docs/gradient-flow.md for the bf16
             figures they were chosen from.
         reduce: all-reduce across ranks (each rank probes its own batch; the worst rank decides).
     """
@@ -924,7 +924,7 @@ class ArbiterSettings:
     probe_samples: the probe uses the first this many sequences of the step's last micro-batch.
     probe_seq_len: and the first this many positions of each (dim 1 of 2+-dim tensors; None:
         all). The eager fp32 reference with math attention is quadratic in it: the bound is
-        ``bnlit.flops.parity_probe_memory_bytes`` (printed by ``python -m bnlit.info``).
+        ``bnlit.speed.flops.parity_probe_memory_bytes`` (printed by ``python -m bnlit.info``).
     log_param_norms: log ``grad/<parameter>`` norms on check steps (``grad/norm`` is logged on
         every logging step either way).
     sentinel: run the every-step sentinel (missing, non-finite, zero and vanishing gradients,

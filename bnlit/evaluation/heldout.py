@@ -29,7 +29,7 @@ and is the initialisation sane (the twin's NLL sits near ln(V)). The twin is bui
 at the end of training, when the table is printed and logged (``twin/table``). A twin alone
 flatters: a model that learned only token frequencies beats it by far, so the trained model is
 also compared with the add-one unigram and Kneser-Ney bigram of the training shards
-(:mod:`bnlit.ngram`; ``learned_context/<lang>`` is the bigram's bits/char minus the trained
+(:mod:`bnlit.evaluation.ngram`; ``learned_context/<lang>`` is the bigram's bits/char minus the trained
 model's). Scoring touches no training RNG stream (the twin has its own generator, and
 :func:`score_slices` runs inside ``fork_rng`` all the same) and leaves the model in its mode.
 """

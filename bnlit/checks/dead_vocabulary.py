@@ -14,7 +14,7 @@ UTF-8 text of two scripts and ``<pad>``/``<s>`` are never used by design.
 
 **The callback** (``bnlit.callbacks.dead_vocabulary``). ``DeadVocabulary``: at the end of training, the tokenizer pieces the model never trained on.
 
-Two lists (:mod:`bnlit.dead_vocabulary`): pieces that never occur in the training shards, and
+Two lists (:mod:`bnlit.checks.dead_vocabulary`): pieces that never occur in the training shards, and
 pieces whose embedding row was never looked up by a training batch, so never received an
 input-side gradient (tracked here on the device, one scatter per batch, no host sync). The
 report goes to the log, ``vocab/`` metrics, the table ``vocab/dead`` and
@@ -28,7 +28,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from bnlit.fertility import detect_language
+from bnlit.checks.fertility import detect_language
 
 KINDS = ("piece", "byte", "special")
 
@@ -69,7 +69,7 @@ def dead_vocabulary(tokenizer, train_counts: Mapping[str, np.ndarray], looked_up
     Args:
         tokenizer: a :class:`bnlit.tokenizer.Tokenizer`.
         train_counts: per language, how often each token id occurs in the training shards
-            (:attr:`bnlit.ngram.NgramCounts.unigram`).
+            (:attr:`bnlit.evaluation.ngram.NgramCounts.unigram`).
         looked_up: per token id, whether it was ever an input of a training batch (None: not tracked).
         sample: how many pieces to name in each list.
 
