@@ -4,7 +4,7 @@ training data; optionally multiple-choice accuracy (lm-eval-harness ``acc_norm``
 
     python scripts/evaluate.py --checkpoint CKPT --text bn=FILE --text en=FILE [--json]
                                [--twin/--no-twin] [--multiple-choice FILE] [--run-dir DIR] [--no-contamination]
-                               [--held-out bn] [--gguf FILE ...]
+                               [--held-out bn] [--gguf FILE ...] [--gguf-raw]
 
 A ``.txt`` file is one document per blank-line separated paragraph, a ``.jsonl`` file one
 ``{"text": ...}`` per line. Every document token and one end-of-document token per document are
@@ -21,8 +21,9 @@ language, with top-level ``vocab_size`` (and ``multiple_choice`` when asked).
 
 ``--held-out LANG`` scores the run's own validation documents of LANG (from its cleaning cache).
 ``--gguf FILE`` (repeatable; needs the ``serve`` extra) also scores a GGUF export of the checkpoint
-through llama.cpp: llama.cpp tokenizes the text (after ``bnlit.export.gguf_text``) and computes
-the logits, in the same windows; each language's row gains ``gguf`` with, per file, the same
+through llama.cpp: llama.cpp tokenizes the text (after ``bnlit.export.gguf_text``; with
+``--gguf-raw`` the raw text, as llama.cpp's CLI, server and ollama get it) and computes the
+logits, in the same windows; each language's row gains ``gguf`` with, per file, the same
 fields, ``same_tokens`` (llama.cpp's token stream equals bnlit's) and ``bits_per_char_vs_trained``.
 """
 
@@ -117,13 +118,15 @@ GGUF_FILE_TYPES = {0: "f32", 1: "f16", 7: "q8_0", 32: "bf16"}  # general.file_ty
 
 
 def score_gguf(lm, docs: list[str], seq_len: int, batch_size: int, bnlit_stream, trained: EvalResult,
-               masked: bool) -> dict:
-    """One language's row for a GGUF file: llama.cpp's tokens and logits, bnlit's windows."""
-    stream = token_stream(lm.encode_batch(docs), lm.eos_id)
+               masked: bool, raw: bool = False) -> dict:
+    """One language's row for a GGUF file: llama.cpp's tokens (of the raw text, or after the
+    ``gguf_text`` pre-call) and logits, bnlit's windows."""
+    stream = token_stream([lm.encode_raw(d) if raw else lm.encode(d) for d in docs], lm.eos_id)
     nll, tokens = evaluate_stream(lm, stream, seq_len, batch_size, device="cpu", eos_id=lm.eos_id,
                                   document_masking=masked)
     r = EvalResult(nll, tokens, trained.chars, trained.bytes)
     return {"file": str(lm.path), "type": GGUF_FILE_TYPES.get(lm.file_type, str(lm.file_type)),
+            "text": "raw" if raw else "gguf_text",
             **{k: getattr(r, k) for k in FIELDS}, "tokens": r.tokens,
             "same_tokens": len(stream) == len(bnlit_stream) and bool((stream == bnlit_stream).all()),
             "bits_per_char_vs_trained": r.bits_per_char / trained.bits_per_char - 1}
@@ -177,7 +180,7 @@ def evaluate(args: argparse.Namespace) -> dict:
         row["beats"] = {name: row[f"{name}_bits_per_char"] > r.bits_per_char
                         for name in ("twin", *BASELINES) if f"{name}_bits_per_char" in row}
         if ggufs:
-            row["gguf"] = {str(lm.path): score_gguf(lm, d, seq_len, args.batch_size, stream, r, masked)
+            row["gguf"] = {str(lm.path): score_gguf(lm, d, seq_len, args.batch_size, stream, r, masked, args.gguf_raw)
                            for lm in ggufs}
         if args.contamination:
             row["contamination"] = contamination(d, run_dir, f"--text {lang}")
@@ -227,7 +230,8 @@ def format_report(res: dict) -> str:
                              f"{r[p + 'nll_per_token']:>9.4f}{r[p + 'bits_per_char']:>11.4f}{r[p + 'bits_per_byte']:>11.4f}"
                              f"  {note}")
             for g in r.get("gguf", {}).values():
-                lines.append(f"{lang:<6}llama.cpp {g['type']} ({g['file']}): nll/tok {g['nll_per_token']:.4f}, "
+                lines.append(f"{lang:<6}llama.cpp {g['type']} ({g['file']}, {g['text']} text): "
+                             f"nll/tok {g['nll_per_token']:.4f}, "
                              f"bits/char {g['bits_per_char']:.4f} ({100 * g['bits_per_char_vs_trained']:+.3f}% vs "
                              f"trained), bits/byte {g['bits_per_byte']:.4f}, "
                              f"{'the same tokens as bnlit' if g['same_tokens'] else 'OTHER TOKENS than bnlit'}")
@@ -263,6 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="score the run's own validation documents of LANG (repeatable; needs its cleaning cache)")
     p.add_argument("--gguf", action="append", type=Path, metavar="FILE",
                    help="also score this GGUF export through llama.cpp (repeatable; pip install -e '.[serve]')")
+    p.add_argument("--gguf-raw", action="store_true",
+                   help="give llama.cpp the raw text (as its CLI, server and ollama do), not bnlit.export.gguf_text(text)")
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     return p
 

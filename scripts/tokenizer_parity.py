@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gguf", type=Path, help="a GGUF file (scripts/export_gguf.py; needs the serve extra)")
     p.add_argument("--text", action="append", type=Path, required=True, help="raw text, one document per line")
     p.add_argument("--show", type=int, default=3, help="differing lines to print per file and tool")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object per text file and tool")
     args = p.parse_args(argv)
     try:
         tok = Tokenizer(args.tokenizer)

@@ -330,6 +330,8 @@ def test_score_is_the_length_normalised_continuation_loglik():
     model = Transformer(SMALL).eval()
     ctx, cont = encode_pair(tok, "The cat ", "sat.")
     assert tok.decode(ctx) == "The cat" and tok.decode(cont) == " sat."  # trailing space moves
+    ctx, cont = encode_pair(tok, "Question:\n", "yes")  # any trailing whitespace, as lm-eval moves it
+    assert tok.decode(ctx) == "Question:" and tok.decode(cont) == "\nyes"
     ids = [tok.eos_id] + ctx + cont
     with torch.no_grad():
         logp = F.log_softmax(model(torch.tensor(ids[:-1])[None])[0], -1)

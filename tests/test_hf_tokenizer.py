@@ -117,3 +117,20 @@ def test_unigram_tokenizers_are_refused(tmp_path):
     uni = Tokenizer(train_tokenizer(docs, tmp_path / "u.model", vocab_size=600, model_type="unigram", num_threads=1))
     with pytest.raises(CheckpointError, match="BPE only"):
         hf_tokenizer.build(uni)
+
+
+def test_parity_script_counts_equal_lines(tokenizer, exported, tmp_path, capsys):
+    """scripts/tokenizer_parity.py, the benchmark behind the export docs' FLORES figures, on the
+    crafted lines: every line equal."""
+    from test_export import script
+
+    text = tmp_path / "lines.txt"
+    lines = [line for line in crafted_lines() if line and "\n" not in line and "\r" not in line
+             and "\u2028" not in line and "\u2029" not in line and "\x85" not in line and "\x0b" not in line
+             and "\x0c" not in line and "\x1c" not in line and "\x1d" not in line and "\x1e" not in line]
+    text.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    n = len([line for line in text.read_text(encoding="utf-8").split("\n") if line])
+    assert script("tokenizer_parity").main(["--tokenizer", str(exported / "tokenizer.model"), "--hf", str(exported),
+                                            "--text", str(text), "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out).values()
+    assert row["hf"]["lines"] == n > 200 and row["hf"]["same_ids"] == n and row["hf"]["same_decode"] == n
