@@ -48,7 +48,7 @@ TINY = [
     "~callbacks.progress_bar",
     "logger=csv",
     # a 1024-token tokenizer trained on 15 books gives Bangla ~1.8 chars/token (8192: ~2.8); the
-    # default floor of 2.5 is for real vocabularies (tests/test_fertility.py checks it at 8192)
+    # default floor of 2.5 is for real vocabularies (tests/checks/test_fertility.py checks it at 8192)
     "callbacks.fertility.floors.bn=1.5",
 ]
 

@@ -20,7 +20,7 @@ def run_two_ranks(worker: str, tmp_path: Path, timeout: float) -> tuple[subproce
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS / "checks"), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
                            f"--master-port={port}", str(script), str(tmp_path), str(TESTS)],
                           env=env, capture_output=True, text=True, timeout=timeout)
@@ -31,7 +31,8 @@ def run_two_ranks(worker: str, tmp_path: Path, timeout: float) -> tuple[subproce
 def run_train_cli(run_dir: Path, *overrides: str, timeout: float = 600) -> subprocess.CompletedProcess:
     """``python -m bnlit.train`` in a fresh process (so a test's callbacks in ``tests/`` resolve)
     with ``hydra.run.dir=run_dir``, from ``run_dir``'s parent."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    # tests/checks: workers plant the faults test_gradient_flow defines
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), str(TESTS / "checks"), os.environ.get("PYTHONPATH", "")]))
     return subprocess.run([sys.executable, "-m", "bnlit.train", *overrides, f"hydra.run.dir={run_dir}"],
                           capture_output=True, text=True, env=env, cwd=run_dir.parent, timeout=timeout)
 

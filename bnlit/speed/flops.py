@@ -71,7 +71,7 @@ def parity_probe_memory_bytes(cfg: ModelConfig, probe_samples: int, probe_seq_le
     their gradient (12 bytes per vocab entry per token); the comparison upcasts one parameter pair
     to fp64 at a time (16 bytes per element of the largest). Checked against a tensor-by-tensor
     count of the probe (real tensors at a small size, ``FakeTensorMode`` at ``400m``) in
-    ``tests/test_gradient_flow_categories.py``.
+    ``tests/checks/test_gradient_flow_categories.py``.
     """
     n = param_counts(cfg)["n_params"]
     tokens = probe_samples * probe_seq_len

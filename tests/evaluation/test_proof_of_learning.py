@@ -16,8 +16,8 @@ from bnlit.evaluation.ngram import NgramCounts, baseline_path
 from bnlit.checks.starvation import LanguageStarvationError
 from bnlit.train import train
 
-FIXTURES = Path(__file__).parent / "fixtures"
-ROOT = Path(__file__).parent.parent
+FIXTURES = Path(__file__).parents[1] / "fixtures"
+ROOT = Path(__file__).parents[2]
 
 
 def script(name: str):

@@ -30,7 +30,7 @@ def tok_path(tmp_path_factory) -> Path:
 
 BUILD = """
 import sys
-sys.path.insert(0, {here!r})
+sys.path[:0] = [{here!r}, {tests!r}]
 from helpers_data import document
 from bnlit.data.shards import build_shards
 from bnlit.tokenizer import Tokenizer
@@ -50,7 +50,7 @@ def test_killed_build_resumes_to_byte_identical_shards(tok_path, tmp_path):
     total = json.loads((ref / "build.json").read_text())["chunks"]
     assert total >= 6
     script = tmp_path / "build.py"
-    script.write_text(BUILD.format(here=str(HERE), root=str(tmp_path / "run"), tok=str(tok_path)))
+    script.write_text(BUILD.format(here=str(HERE), tests=str(HERE.parent), root=str(tmp_path / "run"), tok=str(tok_path)))
     env = dict(os.environ, **{KILL_AFTER_ENV: "3"})
     proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, timeout=300)
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]

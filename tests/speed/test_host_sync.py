@@ -80,13 +80,13 @@ def test_steps_that_log_nothing_read_nothing_from_the_device(make_cfg, counted):
     assert counter.steps[3] > 0 and counter.steps[7] > 0  # logging steps do read: the counter works
 
 
-POISON = ["+callbacks.poison._target_=test_nan_guard.Poison", "+callbacks.poison.batch_idx=2"]
+POISON = ["+callbacks.poison._target_=helpers_faults.Poison", "+callbacks.poison.batch_idx=2"]
 DEFERRED = ["optimizer.fused=true", "trainer.log_every_n_steps=4", "trainer.max_steps=8",
             "callbacks.model_checkpoint.every_n_train_steps=100", "trainer.val_check_interval=100"]
 
 
 def test_device_side_guard_halts_at_the_next_logging_step_with_the_bad_step_never_applied(make_cfg):
-    from test_nan_guard import Poison
+    from helpers_faults import Poison
 
     with pytest.raises(DivergenceError, match=r"^non-finite loss \(nan\) at step 2, batch index 2 \(epoch 0\); "
                                               r"the last good checkpoint is untouched"):
@@ -99,7 +99,7 @@ def test_device_side_guard_halts_at_the_next_logging_step_with_the_bad_step_neve
 def test_device_side_guard_skip_policy_keeps_weights_and_training_going(make_cfg, caplog):
     import logging
 
-    from test_nan_guard import Poison
+    from helpers_faults import Poison
 
     with caplog.at_level(logging.WARNING, logger="bnlit"):
         metrics = train(make_cfg(*POISON, *DEFERRED, "callbacks.nan_guard.policy=skip"))

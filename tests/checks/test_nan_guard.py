@@ -9,42 +9,16 @@ import math
 from pathlib import Path
 from types import SimpleNamespace
 
-import lightning as L
 import pytest
 import torch
 
 from bnlit.checks.nan_guard import DivergenceError, SkipBudget, SpikeTracker, verdict
 from bnlit.train import train
 from bnlit.callbacks.nan_guard import NaNGuard
+from helpers_faults import Poison
 
 
-class Poison(L.Callback):
-    """Test-only: multiply the logits of batch ``batch_idx`` by ``scale`` (NaN by default) and
-    snapshot the weights around that batch."""
-
-    def __init__(self, batch_idx: int, scale: float = math.nan):
-        self.batch_idx, self.scale = batch_idx, scale
-        self.handle = None
-        self.before = self.after = None
-        Poison.last = self
-
-    def _snapshot(self, pl_module):
-        return [p.detach().clone() for p in pl_module.parameters()]
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if batch_idx == self.batch_idx:
-            self.before = self._snapshot(pl_module)
-            self.handle = pl_module.model.register_forward_hook(lambda m, i, out: out * self.scale)
-        elif batch_idx == self.batch_idx + 1:
-            self.after = self._snapshot(pl_module)
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if self.handle is not None:
-            self.handle.remove()
-            self.handle = None
-
-
-POISON = ["+callbacks.poison._target_=test_nan_guard.Poison", "+callbacks.poison.batch_idx=2"]
+POISON = ["+callbacks.poison._target_=helpers_faults.Poison", "+callbacks.poison.batch_idx=2"]
 
 
 def test_verdict_names_the_problem():

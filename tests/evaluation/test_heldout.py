@@ -23,7 +23,7 @@ from bnlit.run_report import read_metrics
 from bnlit.train import train
 from bnlit.callbacks.random_twin import RandomTwinNLL
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).parents[1] / "fixtures"
 SMALL = ModelConfig(name="t", vocab_size=128, dim=32, n_layer=2, n_head=4, n_kv_heads=2, multiple_of=32,
                     max_seq_len=64, tie_embeddings=True)
 

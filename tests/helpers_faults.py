@@ -1,0 +1,34 @@
+"""Faults planted into real runs: a callback that turns one batch's logits into NaN (or scales
+them), importable by a ``_target_`` from a ``python -m bnlit.train`` run in a fresh process."""
+
+from __future__ import annotations
+
+import math
+
+import lightning as L
+
+
+class Poison(L.Callback):
+    """Test-only: multiply the logits of batch ``batch_idx`` by ``scale`` (NaN by default) and
+    snapshot the weights around that batch."""
+
+    def __init__(self, batch_idx: int, scale: float = math.nan):
+        self.batch_idx, self.scale = batch_idx, scale
+        self.handle = None
+        self.before = self.after = None
+        Poison.last = self
+
+    def _snapshot(self, pl_module):
+        return [p.detach().clone() for p in pl_module.parameters()]
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == self.batch_idx:
+            self.before = self._snapshot(pl_module)
+            self.handle = pl_module.model.register_forward_hook(lambda m, i, out: out * self.scale)
+        elif batch_idx == self.batch_idx + 1:
+            self.after = self._snapshot(pl_module)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
