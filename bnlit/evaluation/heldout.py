@@ -17,7 +17,7 @@ be split across ranks; the sums are ``torchmetrics`` states, reduced by sum.
 **Attention as in training.** A window holds several documents. A model trained with the document
 mask (``module.document_masking``, the default) is scored with it: a token attends only to its
 own document, so a document scores the same alone or packed after others
-(``tests/test_evaluation.py``), which is also what a tool that scores one document at a time sees
+(``tests/evaluation/test_heldout.py``), which is also what a tool that scores one document at a time sees
 (Hugging Face, lm-evaluation-harness's ``loglikelihood_rolling``, llama.cpp). A model trained
 without the mask is scored with plain causal attention over the packed window. Multiple-choice items and generation run one document
 per forward pass, where the two are the same.
