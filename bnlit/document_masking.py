@@ -16,7 +16,8 @@ and that a document scored inside a packed window equals the same document score
 what Hugging Face Llama sees after export).
 
 CUDA: a ``flex_attention`` ``BlockMask`` (the model runs flex attention; fast when compiled, as on
-``trainer=h100``: fully masked 128x128 blocks are skipped). CPU: a boolean ``(B, 1, T, T)`` mask for
+``trainer=h100``: fully masked 128x128 blocks are skipped), built per block from the document ids
+(:func:`document_block_mask`: no token-pair temporaries). CPU: a boolean ``(B, 1, T, T)`` mask for
 ``scaled_dot_product_attention``.
 """
 
@@ -25,6 +26,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+
+BLOCK_SIZE = 128  # flex attention's tile: the unit a BlockMask skips
 
 
 def document_ids(idx: torch.Tensor, eos_id: int) -> torch.Tensor:
@@ -41,12 +44,50 @@ def document_mask(idx: torch.Tensor, eos_id: int, flex: bool | None = None) -> t
     if flex is None:
         flex = idx.is_cuda
     if flex:
-        def same_document_causal(b, h, q, kv):
-            return (q >= kv) & (doc[b, q] == doc[b, kv])
-
-        return create_block_mask(same_document_causal, B, None, T, T, device=idx.device)
+        return document_block_mask(doc)
     causal = torch.ones(T, T, dtype=torch.bool, device=idx.device).tril()
     return (causal & (doc[:, :, None] == doc[:, None, :]))[:, None]
+
+
+def document_block_mask(doc: torch.Tensor, block_size: int = BLOCK_SIZE) -> BlockMask:
+    """The ``BlockMask`` of causal attention within documents, from the windows' document ids
+    ``doc`` (B, T; :func:`document_ids`), worked out per 128 x 128 block instead of per token pair.
+
+    ``create_block_mask`` evaluates the mask for every (query, key) pair of every window before it
+    reduces them to blocks: at 16 x 2048 that is 67M pairs and ~1-2 GB of temporaries each
+    micro-batch, run eagerly. Document ids never decrease along a window, so a block of queries
+    ``i`` and one of keys ``j <= i`` share a document exactly when the keys' last document is the
+    queries' first, and every pair is allowed exactly when both blocks lie in that one document
+    and ``j < i`` (the diagonal block is causal, never full). That is B x (T/128)^2 comparisons of
+    block boundary ids; the token-level ``mask_mod`` is left for the partial blocks, inside flex
+    attention's kernel. Equal to ``create_block_mask``'s result (``tests/test_document_masking.py``);
+    a window that is not a whole number of blocks goes through ``create_block_mask``."""
+    B, T = doc.shape
+
+    def same_document_causal(b, h, q, kv):
+        return (q >= kv) & (doc[b, q] == doc[b, kv])
+
+    if T % block_size:
+        return create_block_mask(same_document_causal, B, None, T, T, device=doc.device, BLOCK_SIZE=block_size)
+    blocks = doc.view(B, T // block_size, block_size)
+    first, last = blocks[..., 0], blocks[..., -1]  # (B, n): each block's first and last document id
+    n = T // block_size
+    below = torch.ones(n, n, dtype=torch.bool, device=doc.device).tril()  # j <= i
+    # key block j's last document is query block i's first; the diagonal always attends to itself
+    touches = below & ((last[:, None, :] == first[:, :, None]) | torch.eye(n, dtype=torch.bool, device=doc.device))
+    whole = touches & (first[:, None, :] == last[:, :, None]) & below.tril(-1)  # one document, j < i
+    partial = touches & ~whole
+    kv_num, kv_idx = _ordered(partial)
+    full_num, full_idx = _ordered(whole)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block_size,
+                                    mask_mod=same_document_causal, seq_lengths=(T, T))
+
+
+def _ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, n, n) block flags -> ``BlockMask``'s (B, 1, n) counts and (B, 1, n, n) key-block indices,
+    the flagged ones first in order (``create_block_mask``'s own layout)."""
+    dense = dense[:, None].to(torch.int32)
+    return dense.sum(-1).to(torch.int32), torch.argsort(dense, dim=-1, descending=True, stable=True).to(torch.int32)
 
 
 @torch.no_grad()

@@ -43,14 +43,15 @@ def model_info(overrides: list[str]) -> dict:
 
 def probe_memory(cfg, model_cfg, seq_len: int, micro: int) -> dict:
     """The gradient-flow arbiter's parity probe: its slice of the micro-batch and a bound on the
-    device's peak while it runs (the probe runs between the training backward and the optimizer
-    step, so it must stay below the training step's peak, not add to it)."""
+    device's peak while it runs (between the training backward and the optimizer step: the fast
+    pass at the training shape costs a step plus one gradient copy, the reference on the slice)."""
     arbiter = (cfg.get("callbacks") or {}).get("gradient_flow")
     if not arbiter or not arbiter.get("fast_path_parity", True):
         return {}
     samples = min(micro, arbiter.get("probe_samples") or micro)
     tokens = min(seq_len, arbiter.get("probe_seq_len") or seq_len)
-    mem = parity_probe_memory_bytes(model_cfg, samples, tokens)
+    mem = parity_probe_memory_bytes(model_cfg, samples, tokens, micro, seq_len,
+                                    bool(cfg.model.get("activation_checkpointing", False)))
     return {"parity_probe": f"{samples} sequences x {tokens} tokens",
             "parity_probe_memory_estimate_gib": {k: round(v / GIB, 2) for k, v in mem.items()}}
 

@@ -14,13 +14,14 @@ import lightning as L
 import torch
 import torch.nn as nn
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
-from lightning.pytorch.utilities import GradClipAlgorithmType
+from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_warn
 
 from bnlit import document_masking
 from bnlit.speed import sdpa
+from bnlit.speed.compile import CompileWatch, compile_loss, compile_model, recompile_warning
 from bnlit.errors import BnlitError
 from bnlit.speed.fast_path import describe_fast_path
-from bnlit.loss import loss_fn, logits_loss
+from bnlit.loss import IGNORE_INDEX, loss_fn, logits_loss
 from bnlit.loggers import log_metrics
 from bnlit.tokenizer import EOS_ID
 
@@ -58,11 +59,11 @@ def mixed_precision_policy(precision: str):
     return MixedPrecisionPolicy()
 
 
-def shard(model: nn.Module, mesh, compile: bool = False, fullgraph: bool = False, mp_policy=None) -> None:
+def shard(model: nn.Module, mesh, mp_policy=None) -> None:
     """FSDP2 (``fully_shard``) as torchtitan applies it: each transformer block is one unit (its
     parameters are gathered just before it runs and freed after), the root holds the embeddings,
-    final norm and the (tied) head. A block is compiled before it is sharded, so the compiled
-    graphs contain no collectives. Lightning's mesh is (data_parallel = nodes, tensor_parallel =
+    final norm and the (tied) head. Compile the blocks first (:func:`bnlit.speed.compile.compile_model`),
+    so the compiled graphs contain no collectives. Lightning's mesh is (data_parallel = nodes, tensor_parallel =
     devices per node); bnlit has no tensor parallelism, so sharding over that 2-D mesh is HSDP:
     replicated across nodes (mesh dim 0), sharded within a node (dim 1). On one node it is plain
     FSDP. ``mp_policy``: :func:`mixed_precision_policy` (None: torch's default, no casts)."""
@@ -70,10 +71,19 @@ def shard(model: nn.Module, mesh, compile: bool = False, fullgraph: bool = False
 
     mp_policy = mp_policy or MixedPrecisionPolicy()
     for block in model.layers:
-        if compile:
-            block.compile(fullgraph=fullgraph)
         fully_shard(block, mesh=mesh, mp_policy=mp_policy)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+
+
+def pad_rows(batch, rows: int | None):
+    """An ``(x, y)`` batch with fewer than ``rows`` windows padded to ``rows`` by repeating its first
+    window with every target ``IGNORE_INDEX``: the same mean loss, at the fixed shape."""
+    x, y = batch
+    missing = (rows or 0) - x.shape[0]
+    if missing <= 0:
+        return batch
+    return (torch.cat([x, x[:1].expand(missing, -1)]),
+            torch.cat([y, torch.full((missing, y.shape[1]), IGNORE_INDEX, dtype=y.dtype, device=y.device)]))
 
 
 class LMModule(L.LightningModule):
@@ -81,8 +91,9 @@ class LMModule(L.LightningModule):
     model: the transformer (``forward(idx, targets, mask) -> loss``; without targets, logits).
     optimizer: partial optimizer taking param groups (its ``weight_decay`` applies to matrices).
     scheduler: partial scheduler taking the optimizer, or None for a constant LR.
-    compile: ``torch.compile`` the model's forward, loss included (parameter names are kept); under
-        FSDP2 each block is compiled before it is sharded (:func:`shard`).
+    compile: ``torch.compile`` each transformer block and the loss (:func:`bnlit.speed.compile.compile_model`;
+        parameter names are kept; under FSDP2 before the blocks are sharded), and watch for
+        recompiles (:class:`bnlit.speed.compile.CompileWatch`: a warning with Dynamo's reason).
     fullgraph: require a single graph when compiling.
     sdpa_backend: CUDA attention kernels (``bnlit.speed.sdpa``): ``auto`` lets PyTorch pick; ignored on CPU.
     loss_impl: the output head's loss (``bnlit.loss``): ``plain``, ``chunked`` or ``fused`` (torch's
@@ -117,6 +128,7 @@ class LMModule(L.LightningModule):
         self._step_loss: torch.Tensor | None = None  # sum of this optimizer step's micro-batch losses
         self._configured = False
         self.fast_path: str | None = None  # the run's "fast path: ..." line, set at train start
+        self.compile_watch: CompileWatch | None = None  # Dynamo's compiles in this process (compile: true)
 
     def configure_model(self) -> None:
         device = self.trainer.strategy.root_device if self._trainer is not None else self.device
@@ -133,17 +145,26 @@ class LMModule(L.LightningModule):
             seq_len = getattr(self.trainer.datamodule, "seq_len", None) or self.model.config.max_seq_len
             with self.trainer.precision_plugin.forward_context():
                 self.attention_kernel = self._attention_kernel(torch.zeros(1, seq_len, dtype=torch.long, device=device))
+        if self.compile:  # the loss was just set: its compiled form once per function, never twice
+            compile_loss(self.model, self.fullgraph)
         if self._configured:  # configure_model runs again on a second fit/validate of this module
             return
+        if self.compile:
+            self.compile_watch = CompileWatch().start()
+            compile_model(self.model, self.fullgraph)
         mesh = self.device_mesh  # set by ModelParallelStrategy (trainer=fsdp), None otherwise
-        if mesh is None:
-            if self.compile:
-                self.model.compile(fullgraph=self.fullgraph)
-        else:
+        if mesh is not None:
             precision = str(self.trainer.precision) if self._trainer is not None else "32-true"
-            shard(self.model, mesh, compile=self.compile, fullgraph=self.fullgraph,
-                  mp_policy=mixed_precision_policy(precision))
+            shard(self.model, mesh, mp_policy=mixed_precision_policy(precision))
         self._configured = True
+
+    def warn_recompiles(self) -> None:
+        """A warning with Dynamo's reason for each recompile since the last call (none expected
+        after the first step of each kind: ``bnlit.speed.compile``)."""
+        for event in self.compile_watch.poll() if self.compile_watch is not None else ():
+            message = recompile_warning(event)
+            rank_zero_warn(message)
+            log.warning("!!! %s", message)
 
     def on_train_start(self) -> None:
         self.fast_path = describe_fast_path(self.trainer, self)
@@ -183,6 +204,9 @@ class LMModule(L.LightningModule):
                 self.log("train/lr", self.trainer.lr_scheduler_configs[0].scheduler.get_last_lr()[0])
         return loss
 
+    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
+        self.warn_recompiles()
+
     def _attention_kernel(self, x: torch.Tensor) -> str:
         """The attention kernel a training step on windows like ``x`` dispatches (call it under
         the precision plugin's autocast): PyTorch's own SDPA choice for the step's query/key
@@ -215,7 +239,9 @@ class LMModule(L.LightningModule):
 
     def validation_step(self, batch, batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
         x, y = batch
-        loss = self.loss_for_batch(batch)
+        # a short last batch padded to the micro-batch (rows whose targets count for nothing), so a
+        # compiled model validates with the one graph of its shape (bnlit.speed.compile)
+        loss = self.loss_for_batch(pad_rows(batch, getattr(self.trainer.datamodule, "batch_size", None)))
         names = getattr(self.trainer.datamodule, "val_languages", None) if self.trainer.datamodule else None
         name = names[dataloader_idx] if names else str(dataloader_idx)
         self.log(f"val/{name}_loss", loss, add_dataloader_idx=False, batch_size=x.shape[0])
@@ -239,6 +265,7 @@ class LMModule(L.LightningModule):
         self._val_losses = []
 
     def on_validation_end(self) -> None:
+        self.warn_recompiles()  # validation's own, and the random twin's and multiple choice's before this hook
         # the "step" logged above is the loggers' x value only: left in callback_metrics it would
         # name the next checkpoints (ModelCheckpoint's {step}) after this validation's step
         self.trainer.callback_metrics.pop("step", None)

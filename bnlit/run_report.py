@@ -183,17 +183,19 @@ def proof_of_learning(tables: Path) -> list[str]:
 
 
 def write_summary(run_dir: str | os.PathLike, metrics: Mapping[str, float] | None = None,
-                  fast_path: str | None = None) -> Path:
+                  fast_path: str | None = None, notes: Sequence[str | None] = ()) -> Path:
     """Write ``summary.md`` and ``plots/*.png`` into ``run_dir``; returns the summary path.
-    ``fast_path``: the run's ``fast path: ...`` line (:mod:`bnlit.speed.fast_path`), kept under the title."""
+    ``fast_path``: the run's ``fast path: ...`` line (:mod:`bnlit.speed.fast_path`), and ``notes`` (the
+    compile count, where the time went; None entries skipped), kept under the title."""
     run_dir = Path(run_dir)
     csv_path = run_dir / "csv" / "metrics.csv"
     series = read_metrics(csv_path) if csv_path.is_file() else {}
     final = {k: v[-1][1] for k, v in series.items() if v}
     final.update(metrics or {})
     lines = [f"# Run summary: {run_dir.name}", "", f"run dir: `{run_dir}`", ""]
-    if fast_path:
-        lines += [f"{fast_path}", ""]
+    for line in (fast_path, *notes):
+        if line:
+            lines += [f"{line}", ""]
     if final:
         headline = {k: v for k, v in final.items() if k in ("throughput/tokens_per_s", "val/loss")
                     or any(wanted(k) for wanted in PLOTS.values())}

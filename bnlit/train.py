@@ -78,10 +78,15 @@ def train(cfg: DictConfig) -> dict[str, float]:
     if needs_final_validation(trainer):  # every run ends with the final model's val/loss (sweeps read it)
         trainer.validate(module, datamodule=datamodule, verbose=False)
         metrics.update(scalar_metrics(trainer))
+    compiled = None
+    if module.compile_watch is not None:  # every compile of the run, the final validation's included
+        module.warn_recompiles()
+        compiled = module.compile_watch.summary()
+        log.info("%s", compiled)
     if trainer.is_global_zero:
         for lg in loggers:
             lg.save()
-        write_summary(Path(cfg.paths.output_dir), metrics, fast_path=getattr(module, "fast_path", None))
+        write_summary(Path(cfg.paths.output_dir), metrics, notes=[getattr(module, "fast_path", None), compiled])
         timing = {"wall_s": time.perf_counter() - start, "threads": threads, "threads_end": torch.get_num_threads(),
                   "load_start": load_at_start, "load_end": load_average()}
         print_report(cfg, metrics, loggers, timing)

@@ -53,7 +53,10 @@ class MultipleChoiceEval(L.Callback):
             return
         model, dm = pl_module.model, trainer.datamodule
         max_len = getattr(dm, "seq_len", None) or model.config.max_seq_len
+        # validation's shape (micro-batch x seq_len): a compiled model reuses its graph
         results, metrics = score_tasks(model, dm.tokenizer, self.tasks, max_len,
-                                       trainer.strategy.precision_plugin.forward_context())
+                                       trainer.strategy.precision_plugin.forward_context(),
+                                       batch_size=getattr(dm, "batch_size", None) or 8,
+                                       masked=getattr(pl_module, "document_masking", False))
         self.results.update(results)
         log_metrics(trainer, metrics, callback_metrics=True)

@@ -42,6 +42,7 @@ class RandomTwinNLL(L.Callback):
             return False
         s = self.settings
         self._slices, self.seq_len = ev.twin_slices(dm, s.languages, s.max_tokens), dm.seq_len
+        self.batch_size = s.batch_size or dm.batch_size  # validation's shape: a compiled model reuses its graph
         if s.baselines and getattr(dm, "shard_dir", None) is not None:
             counts = ngram.count_shards(dm.shard_dir, dm.index, dm.tokenizer.eos_id, dm.tokenizer.vocab_size,
                                         max_tokens=s.baseline_max_tokens)
@@ -57,7 +58,7 @@ class RandomTwinNLL(L.Callback):
     def _score(self, trainer: L.Trainer, model) -> dict[str, ev.EvalResult]:
         # the attention the run trains with: the document mask unless module.document_masking=false
         masked = getattr(trainer.lightning_module, "document_masking", True)
-        return ev.score_slices(model, self._slices, self.seq_len, self.settings.batch_size, trainer.global_rank,
+        return ev.score_slices(model, self._slices, self.seq_len, self.batch_size, trainer.global_rank,
                                trainer.world_size, trainer.strategy.precision_plugin.forward_context(),
                                eos_id=trainer.datamodule.tokenizer.eos_id, document_masking=masked)
 

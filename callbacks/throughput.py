@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -17,12 +18,14 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 
 from bnlit.errors import ConfigError
-from bnlit.speed.flops import flops_per_token
+from bnlit.tokenizer import EOS_ID
+from bnlit.speed.flops import attended_pairs, flops_per_token
 from bnlit.speed.throughput import (
     LowMFUError,
     MFUFloor,
     StepTimer,
     batch_shape,
+    hardware_metrics,
     peak_memory_gib,
     precision_dtype,
     refresh_peak,
@@ -57,6 +60,12 @@ class ThroughputMonitor(Callback):
         self._fpt: dict[int, int] = {}
         self._config = None
         self._last_global_step = 0
+        # attended (query, key) pairs of the current step and of each step in the window, as
+        # device tensors read once per report (HFU: bnlit.speed.flops.attended_pairs)
+        self._pairs: torch.Tensor | None = None
+        self._pairs_window: deque[torch.Tensor] = deque(maxlen=window_steps)
+        self._eos: int | None = None
+        self._recompute = False
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         override = None if self.peak_tflops is None else self.peak_tflops * 1e12
@@ -65,6 +74,8 @@ class ThroughputMonitor(Callback):
         if self._config is None:
             rank_zero_warn("ThroughputMonitor: pl_module.model has no .config; logging tokens/s without TFLOP/s or MFU")
         self._last_global_step = trainer.global_step
+        self._eos = EOS_ID if getattr(pl_module, "document_masking", False) else None
+        self._recompute = bool(getattr(getattr(pl_module, "model", None), "activation_checkpointing", False))
         self.timer.pause()
         floor, f = self.floor.pct(pl_module.device), self.floor
         if trainer.is_global_zero:
@@ -88,9 +99,16 @@ class ThroughputMonitor(Callback):
             torch.cuda.synchronize(pl_module.device)  # the window ends where the device really is
         samples, seq_len = batch_shape(batch)
         tokens = samples * seq_len
-        self.timer.batch_end(tokens, samples, float(tokens * self._flops_per_token(seq_len)), stepped)
+        x = batch[0] if isinstance(batch, (tuple, list)) else batch
+        if self._config is not None and isinstance(x, torch.Tensor) and x.ndim == 2:
+            pairs = attended_pairs(x, self._eos)
+            self._pairs = pairs if self._pairs is None else self._pairs + pairs
+        if self.timer.batch_end(tokens, samples, float(tokens * self._flops_per_token(seq_len)), stepped):
+            self._pairs_window.append(self._pairs)
+            self._pairs = None
         if stepped and self.timer.steps == 1:
             self.timer.reset_window()  # the first step holds compilation and allocator warm-up
+            self._pairs_window.clear()
         if due and self.timer.window:
             self._report(trainer, pl_module, step)
 
@@ -105,6 +123,10 @@ class ThroughputMonitor(Callback):
         peak = self.peak if self._config is not None else None
         stats = throughput_stats(self.timer.window, peak.flops if peak else None, trainer.world_size)
         metrics = throughput_metrics(stats, peak, has_flops=self._config is not None)
+        if self._config is not None and len(self._pairs_window) == len(self.timer.window) \
+                and all(p is not None for p in self._pairs_window):
+            pairs = float(torch.stack(list(self._pairs_window)).sum())  # one host read, after the sync above
+            metrics |= hardware_metrics(self.timer.window, pairs, self._config, self._recompute, peak, trainer.world_size)
         self.last = metrics = {**metrics, **dict([peak_memory_gib(pl_module.device)])}  # + (key, GiB)
         for k, v in metrics.items():
             pl_module.log(k, v, on_step=True, on_epoch=False, rank_zero_only=True)

@@ -1,21 +1,30 @@
-"""Throughput benchmark: ``python scripts/bench.py [--json]``.
+"""Throughput benchmark: ``python scripts/bench.py [--json]``; the run as the trainer runs it.
 
 CPU (no CUDA device): in one process, the same model, data and batches through (a) a plain
 PyTorch training loop written below and (b) bnlit's Lightning path (``LMModule`` + ``L.Trainer``
 built from the real config with the default callbacks), alternated over ``--reps`` repetitions,
-plus the Lightning path without the gradient-flow arbiter and with it checking every step.
-Prints tokens/s of each, ``lightning_vs_raw``, the arbiter's step-time ratios, the data loader's
-share of the raw loop's step time, and MFU against this CPU's measured matmul peak.
+plus the Lightning path without the gradient-flow arbiter. Prints tokens/s of each,
+``lightning_vs_raw``, the arbiter's step-time ratio, the data loader's share of the raw loop's
+step time, and MFU against this CPU's measured matmul peak. ``--variants``/``--all`` add the
+arbiter checking every step, document masking flipped, the chunked and the fused loss (a
+variant the run's precision refuses, ``fused`` under bf16-mixed, is skipped with one line);
+``--masking-pairs`` and ``--memory`` add longer measurements. Ctrl-C prints what was measured so
+far.
 
-Like for like: validation is off and checkpoints fall outside the timed steps (the raw loop does
-neither); the first ``--warmup`` optimizer steps are not timed (the arbiter's one-time parity probe
-is among them). Every other default callback runs: NaN guard, arbiter, MFU monitor, LR monitor,
-progress bar, CSV logger (the W&B default is swapped for CSV).
+Like for like, and like the trainer: the data module's real shards (EOS and the document mask as
+in training), the configured precision (the raw loop runs the same autocast), accumulation (the
+raw loop divides the loss by it, as Lightning does), ``keep_freed_memory`` as ``bnlit.train``
+sets it on CPU, and the parity probe at step 1 in the untimed warm-up. Validation is off and
+checkpoints fall outside the timed steps (the raw loop does neither). Every other default
+callback runs: NaN guard, arbiter, MFU monitor, LR monitor, progress bar, CSV logger (the W&B
+default is swapped for CSV).
 
-CUDA: the ``400m`` preset at seq 2048 on the ``trainer=h100`` fast path (bf16-mixed, compiled
-fullgraph, flash SDPA, fused AdamW) on random tokens through a pinned, prefetching loader, a few
-warm-up and ``--steps`` timed steps; prints tokens/s, MFU against the datasheet peak and the peak
-allocated memory. A micro-batch that does not fit is halved and retried (the figure says which ran).
+CUDA: ``trainer=h100`` as configured (``400m`` at seq 2048, micro-batch 16, accumulation 16,
+bf16-mixed, per-block compile, fused AdamW, the parity probe) on the data module's shards, built
+on the CPU before the model reaches the device; a few warm-up and ``--steps`` timed optimizer
+steps; prints tokens/s, MFU (PaLM convention) and HFU, the peak allocated memory against
+``bnlit.speed.flops.training_memory_bytes``, the parity verdict and the compile count. A micro-batch that
+does not fit is halved and the accumulation doubled (the figure says which ran).
 """
 
 from __future__ import annotations
@@ -32,23 +41,25 @@ import time
 from pathlib import Path
 
 import lightning as L
-import numpy as np
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import DictConfig, open_dict
-from torch.utils.data import DataLoader
 
 import bnlit.resolvers  # noqa: F401
 from bnlit import CONF_DIR
-from bnlit.data.dataset import PackedWindows
-from bnlit.speed.flops import flops_per_token
+from bnlit.interrupt import Interrupted
+from bnlit.speed.flops import flops_per_token, training_memory_bytes
 from bnlit.document_masking import document_mask
+from bnlit.errors import ConfigError
+from bnlit.speed.flops import flops_per_token, training_memory_bytes
+from bnlit.speed.host_malloc import KEEP_BYTES, keep_freed_memory
 from bnlit.loss import loss_fn
 from bnlit.module import param_groups
-from bnlit.speed.throughput import resolve_peak
+from bnlit.speed.throughput import precision_dtype, resolve_peak
 from bnlit.tokenizer import EOS_ID
 from bnlit.train import instantiate_group
+from bnlit.preflight import check_config
 
 
 def arbiter_available() -> tuple[bool, str | None]:
@@ -111,43 +122,70 @@ def lightning_run(cfg: DictConfig, datamodule, warmup: int, steps: int, train_da
     trainer.fit(module, datamodule=datamodule, train_dataloaders=train_dataloaders)
     mfu = next((c for c in callbacks if type(c).__name__ == "ThroughputMonitor"), None)
     arbiter = next((c for c in callbacks if type(c).__name__ == "GradientFlowArbiter"), None)
+    if trainer.interrupted or any(getattr(getattr(c, "latch", None), "received", None) for c in callbacks):
+        raise KeyboardInterrupt  # Ctrl-C during the fit (the interrupt callback may have let it finish)
     out = {"tokens_per_s": clock.tokens_per_s, "monitor": dict(mfu.last) if mfu else {},
-           "attention_kernel": module.attention_kernel}
+           "attention_kernel": module.attention_kernel,
+           "compile_summary": module.compile_watch.summary() if module.compile_watch is not None else None}
+    if arbiter is not None and arbiter._parity_report is not None:
+        out["parity"] = {k: arbiter._parity_report.get(k) for k in ("ok", "skipped", "num_ok", "names")
+                         if k in arbiter._parity_report}
+        out["parity"]["names"] = len(out["parity"].get("names") or [])
     if arbiter is not None and arbiter.state.sentinel_steps:
         # measured inside the same run: the sentinel's own time per step over the mean step time
-        step_s = cfg.data.batch_size * cfg.data.seq_len / clock.tokens_per_s
+        step_s = cfg.data.batch_size * cfg.data.seq_len * cfg.trainer.accumulate_grad_batches / clock.tokens_per_s
         out["sentinel_share"] = arbiter.state.sentinel_seconds / arbiter.state.sentinel_steps / step_s
     return out
 
 
+def forward_context(precision: str, device: torch.device | str = "cpu"):
+    """The autocast Lightning's precision plugin runs the forward under (``bf16-mixed``,
+    ``16-mixed``), or nothing: what the raw loop must do to compare like for like."""
+    precision = str(precision)
+    if "bf16" in precision and "mixed" in precision:
+        return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
+    if precision.startswith("16") and "mixed" in precision:
+        return torch.autocast(torch.device(device).type, dtype=torch.float16)
+    return contextlib.nullcontext()
+
+
 def raw_run(cfg: DictConfig, datamodule, warmup: int, steps: int) -> dict:
-    """The same model, optimizer, schedule, clipping and batches in a plain PyTorch loop."""
+    """The same model, precision, optimizer, schedule, clipping, accumulation and batches in a
+    plain PyTorch loop (the loss divided by the accumulation, as Lightning does)."""
     torch.manual_seed(cfg.seed)
     model = instantiate(cfg.model)
     model.loss_fn = loss_fn(cfg.module.loss_impl, "cpu", cfg.trainer.precision)
     optimizer = instantiate(cfg.optimizer)(param_groups(model, cfg.optimizer.weight_decay))
     scheduler = instantiate(cfg.scheduler)(optimizer)
     clip = cfg.trainer.gradient_clip_val
+    accumulate = int(cfg.trainer.accumulate_grad_batches)
+    context = forward_context(cfg.trainer.precision)
     batches = iter(datamodule.train_dataloader())
     model.train()
-    tokens, fetch, t0 = 0, 0.0, None
+    tokens, fetch, t0, docs = 0, 0.0, None, []
     for i in range(warmup + steps):
         if i == warmup:
             tokens, fetch, t0 = 0, 0.0, time.perf_counter()
-        tf = time.perf_counter()
-        x, y = next(batches)
-        fetch += time.perf_counter() - tf
-        mask = document_mask(x, EOS_ID) if cfg.module.document_masking else None
-        loss = model(x, y, mask=mask)
-        loss.backward()
+        for _ in range(accumulate):
+            tf = time.perf_counter()
+            x, y = next(batches)
+            fetch += time.perf_counter() - tf
+            if not docs:
+                first = x[0, :16].tolist()  # the data module's first window: what the test compares
+            docs.append(float((x == EOS_ID).sum(1).float().mean()) + 1)  # an eos opens each document
+            mask = document_mask(x, EOS_ID) if cfg.module.document_masking else None
+            with context:
+                loss = model(x, y, mask=mask)
+            (loss / accumulate).backward()
+            tokens += x.numel()
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
-        tokens += x.numel()
     elapsed = time.perf_counter() - t0
-    return {"tokens_per_s": tokens / elapsed, "data_share": fetch / elapsed}
+    return {"tokens_per_s": tokens / elapsed, "data_share": fetch / elapsed,
+            "documents_per_window": statistics.mean(docs), "first_window": first}
 
 
 def masking_interleaved(cfg: DictConfig, datamodule, warmup: int, pairs: int) -> dict:
@@ -159,6 +197,8 @@ def masking_interleaved(cfg: DictConfig, datamodule, warmup: int, pairs: int) ->
     model = instantiate(cfg.model)
     model.loss_fn = loss_fn(cfg.module.loss_impl, "cpu", cfg.trainer.precision)
     optimizer = instantiate(cfg.optimizer)(param_groups(model, cfg.optimizer.weight_decay))
+    context = forward_context(cfg.trainer.precision)
+
     def forever():
         while True:
             yield from datamodule.train_dataloader()
@@ -172,7 +212,9 @@ def masking_interleaved(cfg: DictConfig, datamodule, warmup: int, pairs: int) ->
         x, y = next(batches)
         t0 = time.perf_counter()
         mask = document_mask(x, EOS_ID) if masked else None
-        model(x, y, mask=mask).backward()
+        with context:
+            loss = model(x, y, mask=mask)
+        loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if i >= 2 * warmup:
@@ -185,96 +227,144 @@ def masking_interleaved(cfg: DictConfig, datamodule, warmup: int, pairs: int) ->
             "documents_per_window": statistics.mean(docs), "load_average_1m": os.getloadavg()[0]}
 
 
+# the variants beside raw and lightning: the default set, and those behind --variants / --all
+DEFAULT_VARIANTS = ("lightning_no_arbiter",)
+EXTRA_VARIANTS = ("lightning_arbiter_every_step", "lightning_masking_flipped", "lightning_chunked_loss",
+                  "lightning_fused_loss")
+
+
+def cpu_variants(masking_on: bool, have_arbiter: bool) -> dict[str, list[str]]:
+    variants: dict[str, list[str]] = {"lightning": [] if have_arbiter else ["~callbacks.gradient_flow"]}
+    if have_arbiter:
+        variants["lightning_no_arbiter"] = ["~callbacks.gradient_flow"]
+        variants["lightning_arbiter_every_step"] = ["callbacks.gradient_flow.every_n_steps=1"]
+    # the step-time cost of document masking and of the chunked/fused loss (module.* switches)
+    variants["lightning_masking_flipped"] = [f"module.document_masking={str(not masking_on).lower()}"]
+    variants["lightning_chunked_loss"] = ["module.loss_impl=chunked"]
+    variants["lightning_fused_loss"] = ["module.loss_impl=fused"]  # torch's F.linear_cross_entropy (fp32 only)
+    return variants
+
+
+def refusal(cfg: DictConfig) -> str | None:
+    """The one line the trainer would refuse ``cfg`` with (``bnlit.preflight``), or None."""
+    try:
+        check_config(cfg)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
 def cpu_bench(args, run_root: Path) -> dict:
     have_arbiter, note = arbiter_available()
-    base = [f"model={args.model}", "logger=csv", "trainer.limit_val_batches=0", "validate_at_start=false",
+    # no validation inside the timed steps (the raw loop has none): its first one is after the last step
+    base = [f"model={args.model}", "logger=csv", f"trainer.val_check_interval={10 * (args.warmup + args.steps)}",
+            "validate_at_start=false",
             f"trainer.max_steps={args.warmup + args.steps}",
             f"callbacks.model_checkpoint.every_n_train_steps={10 * (args.warmup + args.steps)}",
             *(["data.seq_len=" + str(args.seq_len)] if args.seq_len else []),
             *(["data.batch_size=" + str(args.batch_size)] if args.batch_size else []), *args.override]
-    variants: dict[str, list[str]] = {"lightning": []}
-    if have_arbiter:
-        variants["lightning_no_arbiter"] = ["~callbacks.gradient_flow"]
-        variants["lightning_arbiter_every_step"] = ["callbacks.gradient_flow.every_n_steps=1"]
-    else:
-        variants["lightning"] = ["~callbacks.gradient_flow"]
-    # the step-time cost of document masking and of the chunked loss (module.* switches)
-    masking_on = make_cfg(base, run_root / "probe").module.document_masking
-    variants["lightning_masking_flipped"] = [f"module.document_masking={str(not masking_on).lower()}"]
-    variants["lightning_chunked_loss"] = ["module.loss_impl=chunked"]
-    variants["lightning_fused_loss"] = ["module.loss_impl=fused"]  # torch's F.linear_cross_entropy (fp32 only)
-    if args.variants:  # a subset, for a longer paired comparison of one switch
-        unknown = set(args.variants) - set(variants)
-        if unknown:
-            raise SystemExit(f"--variants: unknown {sorted(unknown)}; choose from {sorted(set(variants) - {'lightning'})}")
-        variants = {k: v for k, v in variants.items() if k == "lightning" or k in args.variants}
-    cfgs = {name: make_cfg(base + extra, run_root / name) for name, extra in variants.items()}
+    probe = make_cfg(base, run_root / "probe")
+    variants = cpu_variants(probe.module.document_masking, have_arbiter)
+    wanted = set(EXTRA_VARIANTS) if args.all else set(args.variants or ())
+    unknown = wanted - set(EXTRA_VARIANTS) - set(DEFAULT_VARIANTS)
+    if unknown:
+        raise SystemExit(f"--variants: unknown {sorted(unknown)}; choose from {sorted(EXTRA_VARIANTS)}")
+    keep = {"lightning", *DEFAULT_VARIANTS, *wanted}
+    variants = {k: v for k, v in variants.items() if k in keep}
+    cfgs, skipped = {}, {}
+    for name, extra in variants.items():
+        cfg = make_cfg(base + extra, run_root / name)
+        why = refusal(cfg)
+        if why is None:
+            cfgs[name] = cfg
+            continue
+        if name == "lightning":
+            raise SystemExit(f"bench: the configuration is refused: {why}")
+        skipped[name] = why
+        print(f"bench: {name} skipped at trainer.precision={cfg.trainer.precision}: {why}", file=sys.stderr, flush=True)
     cfg = cfgs["lightning"]
+    if cfg.get("keep_freed_memory") and keep_freed_memory():  # as bnlit.train does on CPU
+        print(f"bench: freed tensors kept for reuse (keep_freed_memory, {KEEP_BYTES >> 20} MiB)", file=sys.stderr)
     datamodule = instantiate(cfg.data)
     datamodule.prepare_data()
     datamodule.setup("fit")
 
-    order = ["raw", *variants]
+    order = ["raw", *cfgs]
     tps: dict[str, list[float]] = {k: [] for k in order}
-    data_share, monitor, sentinel_share = [], {}, []
-    for rep in range(args.reps):
-        for name in order[rep % len(order):] + order[: rep % len(order)]:  # rotate who goes first
-            if name == "raw":
-                r = raw_run(cfg, datamodule, args.warmup, args.steps)
-                data_share.append(r["data_share"])
-            else:
-                r = lightning_run(cfgs[name], datamodule, args.warmup, args.steps)
-                if name == "lightning":
-                    monitor = r["monitor"]
-                    sentinel_share += [r["sentinel_share"]] if "sentinel_share" in r else []
-            tps[name].append(r["tokens_per_s"])
-            print(f"rep {rep + 1}/{args.reps} {name:30s} {r['tokens_per_s']:10,.0f} tokens/s", file=sys.stderr, flush=True)
+    data_share, monitor, sentinel_share, docs, parity, first_window = [], {}, [], [], None, None
+    interrupted = None
+    try:
+        for rep in range(args.reps):
+            for name in order[rep % len(order):] + order[: rep % len(order)]:  # rotate who goes first
+                if name == "raw":
+                    r = raw_run(cfg, datamodule, args.warmup, args.steps)
+                    data_share.append(r["data_share"])
+                    docs.append(r["documents_per_window"])
+                    first_window = r["first_window"]
+                else:
+                    r = lightning_run(cfgs[name], datamodule, args.warmup, args.steps)
+                    if name == "lightning":
+                        monitor, parity = r["monitor"], r.get("parity")
+                        sentinel_share += [r["sentinel_share"]] if "sentinel_share" in r else []
+                tps[name].append(r["tokens_per_s"])
+                print(f"rep {rep + 1}/{args.reps} {name:30s} {r['tokens_per_s']:10,.0f} tokens/s", file=sys.stderr,
+                      flush=True)
+    except (KeyboardInterrupt, Interrupted, SystemExit) as e:
+        interrupted = f"interrupted ({type(e).__name__}) after {sum(map(len, tps.values()))} runs: figures so far"
+        print(f"bench: {interrupted}", file=sys.stderr, flush=True)
 
     # medians over the alternated repetitions; best-of (timeit's rule: other load only slows a
     # run down) alongside, since on a shared machine one lucky repetition can carry it
-    best = {k: max(v) for k, v in tps.items()}
-    med = {k: statistics.median(v) for k, v in tps.items()}
+    best = {k: max(v) for k, v in tps.items() if v}
+    med = {k: statistics.median(v) for k, v in tps.items() if v}
+
     # a ratio within one repetition compares runs made minutes apart, not a whole benchmark apart:
     # the median of these paired ratios is the least sensitive to load that drifts over the run
-    # (None where --variants left one of the two out)
+    # (None where a variant was left out, skipped or not reached)
     def paired(a: str, b: str) -> float | None:
-        return statistics.median(x / y for x, y in zip(tps[a], tps[b])) if a in tps and b in tps else None
+        pairs = list(zip(tps.get(a, []), tps.get(b, [])))
+        return statistics.median(x / y for x, y in pairs) if pairs else None
 
     def best_of(a: str, b: str) -> float | None:
         return best[a] / best[b] if a in best and b in best else None
 
     model_cfg = instantiate(cfg.model.config)
     fpt = flops_per_token(model_cfg, cfg.data.seq_len)
-    peak = resolve_peak("cpu", torch.float32)
+    peak = resolve_peak("cpu", precision_dtype(cfg.trainer.precision))
+    mfu = lambda k: 100 * fpt * med[k] / peak.flops if k in med else None  # noqa: E731
     out = {
         "device": "cpu", "threads": torch.get_num_threads(), "model": model_cfg.name,
         "seq_len": cfg.data.seq_len, "batch_size": cfg.data.batch_size, "warmup_steps": args.warmup,
-        "timed_steps": args.steps, "reps": args.reps,
+        "timed_steps": args.steps, "reps": args.reps, "precision": str(cfg.trainer.precision),
+        "accumulate_grad_batches": int(cfg.trainer.accumulate_grad_batches),
+        "keep_freed_memory": bool(cfg.get("keep_freed_memory")), "interrupted": interrupted, "skipped": skipped,
         "load_average_1m": os.getloadavg()[0], "cpu_count": os.cpu_count(),
-        "tokens_per_s_raw": med["raw"], "tokens_per_s_lightning": med["lightning"],
+        "tokens_per_s_raw": med.get("raw"), "tokens_per_s_lightning": med.get("lightning"),
         "lightning_vs_raw": paired("lightning", "raw"),
-        "lightning_vs_raw_of_medians": med["lightning"] / med["raw"],
-        "lightning_vs_raw_best_of": best["lightning"] / best["raw"],
+        "lightning_vs_raw_of_medians": med["lightning"] / med["raw"] if "lightning" in med and "raw" in med else None,
+        "lightning_vs_raw_best_of": best_of("lightning", "raw"),
         "arbiter_overhead_ratio_default": None, "arbiter_overhead_ratio_every_step": None,
         "arbiter_every_n_steps_default": None, "arbiter_sentinel_share": None, "arbiter_note": note,
-        "data_loader_share": statistics.median(data_share),
+        "data_loader_share": statistics.median(data_share) if data_share else None,
+        "documents_per_window": statistics.mean(docs) if docs else None, "first_window": first_window,
+        "shard_dir": str(getattr(datamodule, "shard_dir", None)), "parity": parity,
         "lightning_data_wait_pct": monitor.get("throughput/data_wait_pct"),
         "flops_per_token": fpt, "peak_flops": peak.flops, "peak_source": peak.source,
-        "mfu_cpu_pct_raw": 100 * fpt * med["raw"] / peak.flops,
-        "mfu_cpu_pct_lightning": 100 * fpt * med["lightning"] / peak.flops,
+        "mfu_cpu_pct_raw": mfu("raw"), "mfu_cpu_pct_lightning": mfu("lightning"),
         "peak_rss_gib": monitor.get("memory/peak_rss_gib"),
         "runs_tokens_per_s": tps,
     }
     # step-time ratios (1.05 = 5% slower): masking on / off, chunked or fused / the configured loss
+    masking_on = cfg.module.document_masking
     on, off = ("lightning", "lightning_masking_flipped") if masking_on else ("lightning_masking_flipped", "lightning")
     out["document_masking_step_time_ratio"] = paired(off, on)
     out["document_masking_step_time_ratio_best_of"] = best_of(off, on)
     out["chunked_loss_step_time_ratio"] = paired("lightning", "lightning_chunked_loss")  # vs the configured loss_impl
     out["fused_loss_step_time_ratio"] = paired("lightning", "lightning_fused_loss")
     out["loss_impl"] = cfg.module.loss_impl
-    if args.masking_pairs:
+    if args.masking_pairs and not interrupted:
         out["document_masking_interleaved"] = masking_interleaved(cfg, datamodule, args.warmup, args.masking_pairs)
-    if args.memory:
+    if args.memory and not interrupted:
         out["loss_memory"] = loss_memory(args)
     if have_arbiter:
         # step-time ratio with / without the arbiter (1.01 = 1% slower)
@@ -286,7 +376,7 @@ def cpu_bench(args, run_root: Path) -> dict:
         # the every-step sentinel's share of the default run's step time, timed within each run
         out["arbiter_sentinel_share"] = statistics.median(sentinel_share) if sentinel_share else None
         out["arbiter_note"] = ("step-time ratio with/without GradientFlowArbiter; its one-time parity probe at "
-                               "step 1 is in the untimed warm-up")
+                               "step 1 is in the untimed warm-up, as in the trainer")
     return out
 
 
@@ -342,53 +432,58 @@ def loss_memory(args) -> dict:
 
 
 def cuda_bench(args, run_root: Path) -> dict:
-    """400m at seq 2048 on trainer=h100 settings, random tokens, one optimizer step per micro-batch."""
+    """``trainer=h100`` as configured (400m at seq 2048, its micro-batch and accumulation, compiled,
+    the parity probe at step 1) on the run's own data module, prepared on the CPU before the
+    device is touched; ``--warmup`` untimed and ``--steps`` timed optimizer steps. A micro-batch
+    that does not fit is halved and the accumulation doubled (the same global batch; the figure
+    says which ran)."""
     torch.set_float32_matmul_precision("high")
     device = torch.device("cuda", torch.cuda.current_device())
-    seq_len = args.seq_len or 2048
-    micro = args.batch_size or 16
     have_arbiter, note = arbiter_available()
     total = args.warmup + args.steps
+    base = [f"model={args.model}", "trainer=h100", "logger=csv", *(["data.seq_len=" + str(args.seq_len)] if args.seq_len else []),
+            f"trainer.max_steps={total}", f"trainer.val_check_interval={10 * total}", "validate_at_start=false",
+            "trainer.enable_progress_bar=false", "~callbacks.progress_bar",
+            f"callbacks.model_checkpoint.every_n_train_steps={10 * total}",
+            "~callbacks.random_twin",  # it scores held-out text at the end of training: evaluation, not the step
+            f"callbacks.throughput.warmup_steps={args.warmup}",
+            *([] if have_arbiter else ["~callbacks.gradient_flow"]), *args.override]
+    cfg = make_cfg(base, run_root / "cuda")
+    micro = args.batch_size or int(cfg.data.batch_size)
+    accumulate = args.accumulate or int(cfg.trainer.accumulate_grad_batches)
+    why = refusal(cfg)
+    if why:
+        raise SystemExit(f"bench: the configuration is refused: {why}")
+    datamodule = instantiate(cfg.data)  # real shards: EOS and the document mask are the run's
+    datamodule.prepare_data()
     while True:
-        overrides = [f"model={args.model}", "trainer=h100", "logger=csv",
-                     f"data.seq_len={seq_len}", f"data.batch_size={micro}", "trainer.accumulate_grad_batches=1",
-                     f"trainer.max_steps={total}", "trainer.limit_val_batches=0", "validate_at_start=false",
-                     "trainer.enable_progress_bar=false", "~callbacks.progress_bar",
-                     f"callbacks.model_checkpoint.every_n_train_steps={10 * total}",
-                     # both read the tokenizer and held-out text of a data module; this one is random tokens
-                     "~callbacks.fertility", "~callbacks.random_twin",
-                     f"callbacks.throughput.warmup_steps={args.warmup}",
-                     *([] if have_arbiter else ["~callbacks.gradient_flow"]),
-                     # the eager fp32 parity probe with math attention at this size needs far more
-                     # memory than training; --parity turns it back on
-                     *([] if args.parity or not have_arbiter else ["callbacks.gradient_flow.fast_path_parity=false"]),
-                     *args.override]
-        cfg = make_cfg(overrides, run_root / f"cuda_mb{micro}")
-        vocab = cfg.model.config.vocab_size
-        tokens = np.random.default_rng(0).integers(0, vocab, size=micro * total * seq_len + 1, dtype=np.int64)
-        loader = DataLoader(PackedWindows(tokens, seq_len), batch_size=micro, shuffle=False, drop_last=True,
-                            num_workers=cfg.data.num_workers, pin_memory=True,
-                            persistent_workers=cfg.data.num_workers > 0,
-                            prefetch_factor=cfg.data.get("prefetch_factor") if cfg.data.num_workers > 0 else None)
+        cfg = make_cfg(base + [f"data.batch_size={micro}", f"trainer.accumulate_grad_batches={accumulate}"],
+                       run_root / f"cuda_mb{micro}")
+        datamodule.batch_size = micro
         torch.cuda.reset_peak_memory_stats(device)
         t_start = time.perf_counter()
         try:
-            r = lightning_run(cfg, None, args.warmup, args.steps, train_dataloaders=loader)
+            r = lightning_run(cfg, datamodule, args.warmup, args.steps)
             break
         except torch.OutOfMemoryError:
             if micro == 1:
                 raise
-            print(f"bench: micro-batch {micro} ran out of memory; retrying with {micro // 2}", file=sys.stderr)
-            micro //= 2
+            print(f"bench: micro-batch {micro} ran out of memory; retrying with {micro // 2} x {2 * accumulate}",
+                  file=sys.stderr)
+            micro, accumulate = micro // 2, 2 * accumulate
             torch._dynamo.reset()
             torch.cuda.empty_cache()
     wall = time.perf_counter() - t_start
     model_cfg = instantiate(cfg.model.config)
+    seq_len = int(cfg.data.seq_len)
     fpt = flops_per_token(model_cfg, seq_len)
     peak = resolve_peak(device, torch.bfloat16)
+    estimate = training_memory_bytes(model_cfg, seq_len, micro, bool(cfg.model.get("activation_checkpointing")))
+    monitor = r["monitor"]
     return {
         "device": torch.cuda.get_device_name(device), "device_key": peak.key, "model": model_cfg.name,
-        "seq_len": seq_len, "micro_batch": micro, "warmup_steps": args.warmup, "timed_steps": args.steps,
+        "seq_len": seq_len, "micro_batch": micro, "accumulate_grad_batches": accumulate,
+        "warmup_steps": args.warmup, "timed_steps": args.steps,
         "precision": cfg.trainer.precision, "compile": cfg.module.compile, "fullgraph": cfg.module.fullgraph,
         "sdpa_backend": cfg.module.sdpa_backend, "fused_adamw": cfg.optimizer.fused,
         "loss_impl": cfg.module.loss_impl, "document_masking": cfg.module.document_masking,
@@ -396,11 +491,53 @@ def cuda_bench(args, run_root: Path) -> dict:
         "tokens_per_s": r["tokens_per_s"], "flops_per_token": fpt, "tflops": fpt * r["tokens_per_s"] / 1e12,
         "peak_flops": peak.flops, "peak_measured": peak.measured, "peak_source": peak.source,
         "mfu_pct": 100 * fpt * r["tokens_per_s"] / peak.flops,
+        "hfu_pct": monitor.get("throughput/hfu"),
         "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30,
         "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30,
-        "monitor": r["monitor"], "arbiter_note": note, "fit_wall_s": wall,
-        "parity_probe": bool(args.parity),
+        "memory_estimate_gib": estimate["total"] / 2**30,
+        "monitor": monitor, "arbiter_note": note, "fit_wall_s": wall,
+        "parity_probe": bool(have_arbiter and cfg.callbacks.gradient_flow.fast_path_parity),
+        "parity": r.get("parity"), "compile_summary": r.get("compile_summary"),
     }
+
+
+def print_cpu(result: dict) -> None:
+    """The CPU result in a few lines; a figure not measured (variant off, skipped, interrupted) is null."""
+    fmt = lambda v, f: "null" if v is None else format(v, f)  # noqa: E731
+    print(f"cpu ({result['threads']} threads, {result['precision']}, accumulate {result['accumulate_grad_batches']}), "
+          f"{result['model']} seq {result['seq_len']} batch {result['batch_size']}, {result['timed_steps']} timed steps "
+          f"x {result['reps']} reps (medians, ratios paired per rep; load average {result['load_average_1m']:.1f} on "
+          f"{result['cpu_count']} cores)")
+    if result["interrupted"]:
+        print(f"  {result['interrupted']}")
+    for name, why in result["skipped"].items():
+        print(f"  {name} skipped: {why}")
+    print(f"  raw PyTorch loop   {fmt(result['tokens_per_s_raw'], '10,.0f')} tokens/s")
+    print(f"  bnlit Lightning    {fmt(result['tokens_per_s_lightning'], '10,.0f')} tokens/s  "
+          f"lightning_vs_raw {fmt(result['lightning_vs_raw'], '.3f')} (best of: {fmt(result['lightning_vs_raw_best_of'], '.3f')})")
+    share = result["arbiter_sentinel_share"]
+    print(f"  arbiter step-time ratio: every {result['arbiter_every_n_steps_default']} steps "
+          f"{fmt(result['arbiter_overhead_ratio_default'], '.3f')}, every step "
+          f"{fmt(result['arbiter_overhead_ratio_every_step'], '.3f')}; every-step sentinel "
+          f"{fmt(None if share is None else 100 * share, '.2f')}% of step time (timed within the default runs)")
+    print(f"  data loader share of raw step time {fmt(None if result['data_loader_share'] is None else 100 * result['data_loader_share'], '.1f')}%; "
+          f"Lightning data wait {fmt(result['lightning_data_wait_pct'], '.1f')}%")
+    print(f"  document masking step-time ratio {fmt(result['document_masking_step_time_ratio'], '.3f')}; step-time "
+          f"ratio to the {result['loss_impl']} loss: chunked {fmt(result['chunked_loss_step_time_ratio'], '.3f')}, "
+          f"fused {fmt(result['fused_loss_step_time_ratio'], '.3f')}")
+    if result.get("document_masking_interleaved"):
+        m = result["document_masking_interleaved"]
+        print(f"  document masking, interleaved step by step ({m['pairs']} pairs, {m['documents_per_window']:.1f} "
+              f"documents per window): step-time ratio {m['ratio']:.3f} (quartiles "
+              f"{m['ratio_quartiles'][0]:.3f}-{m['ratio_quartiles'][2]:.3f}), {m['step_ms_masked']:.1f} vs "
+              f"{m['step_ms_causal']:.1f} ms")
+    if result.get("loss_memory"):
+        m = result["loss_memory"]
+        print(f"  peak memory of one forward+backward ({m['model']}, seq {m['seq_len']}, batch {m['batch_size']}): "
+              f"plain +{m['plain_growth_mib']:.0f} MiB, chunked +{m['chunked_growth_mib']:.0f} MiB "
+              f"({m['chunked_vs_plain']:.2f}x), fused +{m['fused_growth_mib']:.0f} MiB ({m['fused_vs_plain']:.2f}x)")
+    print(f"  MFU {fmt(result['mfu_cpu_pct_lightning'], '.2f')}% (raw {fmt(result['mfu_cpu_pct_raw'], '.2f')}%) of the "
+          f"measured matmul peak {result['peak_flops'] / 1e9:.1f} GFLOP/s")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -410,20 +547,20 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seq-len", type=int, default=None, help="default: the config's (CPU 256, CUDA 2048)")
     ap.add_argument("--batch-size", type=int, default=None, help="micro-batch; default: the config's")
     ap.add_argument("--warmup", type=int, default=None, help="untimed optimizer steps (CPU 5, CUDA 5)")
-    ap.add_argument("--steps", type=int, default=None, help="timed optimizer steps (CPU 100, CUDA 20)")
+    ap.add_argument("--steps", type=int, default=None, help="timed optimizer steps (CPU 40, CUDA 10)")
     ap.add_argument("--reps", type=int, default=3, help="CPU: alternated repetitions")
     ap.add_argument("--threads", type=int, default=None, help="CPU: torch threads")
     ap.add_argument("--variants", type=lambda v: v.split(","), default=None,
-                    help="CPU: only these Lightning variants beside raw and lightning (comma-separated: "
-                         "lightning_masking_flipped, lightning_chunked_loss, lightning_fused_loss, lightning_no_arbiter, "
-                         "lightning_arbiter_every_step); figures of the others are null")
-    ap.add_argument("--masking-pairs", type=int, default=50,
-                    help="CPU: optimizer steps per side of the interleaved masking on/off comparison (0: skip)")
-    ap.add_argument("--parity", action="store_true", help="CUDA: keep the arbiter's fp32 parity probe")
+                    help="CPU: also these Lightning variants beside raw, lightning and lightning_no_arbiter "
+                         f"(comma-separated: {', '.join(EXTRA_VARIANTS)}); figures of the others are null")
+    ap.add_argument("--all", action="store_true", help="CPU: every variant (several minutes longer)")
+    ap.add_argument("--masking-pairs", type=int, default=0,
+                    help="CPU: optimizer steps per side of an interleaved masking on/off comparison (0: skip)")
+    ap.add_argument("--accumulate", type=int, default=None, help="CUDA: micro-batches per step (default: the config's)")
     ap.add_argument("--cpu", action="store_true", help="run the CPU benchmark even if CUDA is available")
     ap.add_argument("--override", action="append", default=[], help="extra Hydra override (repeatable); on CUDA "
                     "e.g. --override module.loss_impl=fused --override module.sdpa_backend=cudnn")
-    ap.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True,
+    ap.add_argument("--memory", action=argparse.BooleanOptionalAction, default=False,
                     help="CPU: also measure the peak memory of the plain, chunked and fused loss (subprocesses)")
     ap.add_argument("--memory-model", default="25m", help="CPU memory check: preset (default 25m)")
     ap.add_argument("--memory-seq-len", type=int, default=512, help="CPU memory check: sequence length (default 512)")
@@ -439,7 +576,7 @@ def main(argv: list[str] | None = None) -> dict:
     cuda = torch.cuda.is_available() and not args.cpu
     args.model = args.model or ("400m" if cuda else "tiny")
     args.warmup = 5 if args.warmup is None else args.warmup
-    args.steps = args.steps or (20 if cuda else 100)
+    args.steps = args.steps or (10 if cuda else 40)
     if args.threads:
         torch.set_num_threads(args.threads)
     for name in ("lightning.pytorch", "lightning.fabric", "bnlit"):
@@ -448,43 +585,17 @@ def main(argv: list[str] | None = None) -> dict:
     # the Trainer prints model summaries to stdout: keep stdout for the result alone
     with tempfile.TemporaryDirectory(prefix="bnlit_bench_") as tmp, contextlib.redirect_stdout(sys.stderr):
         result = cuda_bench(args, Path(tmp)) if cuda else cpu_bench(args, Path(tmp))
+    fmt = lambda v, f: "null" if v is None else format(v, f)  # noqa: E731
     if args.json:
         print(json.dumps(result, indent=2, default=str))
     elif cuda:
-        print(f"{result['device']}: {result['model']} seq {result['seq_len']} micro-batch {result['micro_batch']}: "
-              f"{result['tokens_per_s']:,.0f} tokens/s, {result['tflops']:.1f} TFLOP/s, MFU {result['mfu_pct']:.1f}% "
-              f"of {result['peak_flops'] / 1e12:.1f} TFLOP/s, peak memory {result['peak_memory_gib']:.1f} GiB")
+        print(f"{result['device']}: {result['model']} seq {result['seq_len']} micro-batch {result['micro_batch']} x "
+              f"{result['accumulate_grad_batches']}: {result['tokens_per_s']:,.0f} tokens/s, {result['tflops']:.1f} "
+              f"TFLOP/s, MFU {result['mfu_pct']:.1f}% (PaLM) of {result['peak_flops'] / 1e12:.1f} TFLOP/s, HFU "
+              f"{fmt(result['hfu_pct'], '.1f')}%, peak memory {result['peak_memory_gib']:.1f} GiB (estimate "
+              f"{result['memory_estimate_gib']:.1f}); {result['compile_summary']}")
     else:
-        fmt = lambda v, f: "null" if v is None else format(v, f)  # noqa: E731
-        print(f"cpu ({result['threads']} threads), {result['model']} seq {result['seq_len']} batch {result['batch_size']}, "
-              f"{result['timed_steps']} timed steps x {result['reps']} reps (medians, ratios paired per rep; load average "
-              f"{result['load_average_1m']:.1f} on {result['cpu_count']} cores)")
-        print(f"  raw PyTorch loop   {result['tokens_per_s_raw']:10,.0f} tokens/s")
-        print(f"  bnlit Lightning    {result['tokens_per_s_lightning']:10,.0f} tokens/s  "
-              f"lightning_vs_raw {result['lightning_vs_raw']:.3f} (best of: {result['lightning_vs_raw_best_of']:.3f})")
-        print(f"  arbiter step-time ratio: every {result['arbiter_every_n_steps_default']} steps "
-              f"{fmt(result['arbiter_overhead_ratio_default'], '.3f')}, every step "
-              f"{fmt(result['arbiter_overhead_ratio_every_step'], '.3f')}; every-step sentinel "
-              f"{fmt(None if result['arbiter_sentinel_share'] is None else 100 * result['arbiter_sentinel_share'], '.2f')}% "
-              f"of step time (timed within the default runs)")
-        print(f"  data loader share of raw step time {100 * result['data_loader_share']:.1f}%; "
-              f"Lightning data wait {fmt(result['lightning_data_wait_pct'], '.1f')}%")
-        print(f"  document masking step-time ratio {fmt(result['document_masking_step_time_ratio'], '.3f')}; step-time "
-              f"ratio to the {result['loss_impl']} loss: chunked {fmt(result['chunked_loss_step_time_ratio'], '.3f')}, "
-              f"fused {fmt(result['fused_loss_step_time_ratio'], '.3f')}")
-        if result.get("document_masking_interleaved"):
-            m = result["document_masking_interleaved"]
-            print(f"  document masking, interleaved step by step ({m['pairs']} pairs, {m['documents_per_window']:.1f} "
-                  f"documents per window): step-time ratio {m['ratio']:.3f} (quartiles "
-                  f"{m['ratio_quartiles'][0]:.3f}-{m['ratio_quartiles'][2]:.3f}), {m['step_ms_masked']:.1f} vs "
-                  f"{m['step_ms_causal']:.1f} ms")
-        if result.get("loss_memory"):
-            m = result["loss_memory"]
-            print(f"  peak memory of one forward+backward ({m['model']}, seq {m['seq_len']}, batch {m['batch_size']}): "
-                  f"plain +{m['plain_growth_mib']:.0f} MiB, chunked +{m['chunked_growth_mib']:.0f} MiB "
-                  f"({m['chunked_vs_plain']:.2f}x), fused +{m['fused_growth_mib']:.0f} MiB ({m['fused_vs_plain']:.2f}x)")
-        print(f"  MFU {result['mfu_cpu_pct_lightning']:.2f}% (raw {result['mfu_cpu_pct_raw']:.2f}%) of the measured "
-              f"matmul peak {result['peak_flops'] / 1e9:.1f} GFLOP/s")
+        print_cpu(result)
     return result
 
 

@@ -1,5 +1,6 @@
 """A real one-node SLURM cluster on localhost for the ``slurm`` tests (Debian ``slurm-wlm`` and
-``munge``): a minimal ``slurm.conf`` (2 CPUs, no cgroups, no accounting, state under a temporary
+``munge``): a minimal ``slurm.conf`` (2 CPUs, 8 GB declared (requests are checked, not enforced:
+no cgroups), no accounting, state under a temporary
 directory, free ports), ``munged`` (reused when one already answers), ``slurmctld`` and ``slurmd``
 started as root, ready when ``sinfo`` shows the node idle. Client commands (``sbatch``, ``squeue``,
 ``scontrol``, submitit) find it through ``SLURM_CONF``.
@@ -54,7 +55,7 @@ MinJobAge=600
 KillWait=30
 JobRequeue=1
 SchedulerParameters=bf_interval=1
-NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory=1000 State=UNKNOWN
+NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory=8000 State=UNKNOWN
 PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
 """
 

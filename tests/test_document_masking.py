@@ -56,6 +56,52 @@ def test_flex_attention_mask_matches_the_sdpa_mask():
         assert not torch.allclose(m(x), sdpa, atol=1e-3)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_the_block_mask_built_per_block_is_create_block_masks(seed):
+    """``document_block_mask`` (from block boundary ids) equals ``create_block_mask`` over every token
+    pair: the same partial and full blocks in the same order, both directions; documents that start
+    on a block boundary, span several blocks, fill one exactly, and windows with none."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from bnlit.document_masking import document_block_mask
+
+    g = torch.Generator().manual_seed(seed)
+    B, T = 4, 512
+    x = torch.randint(4, 50, (B, T), generator=g)
+    for b in range(B):
+        x[b, torch.randint(0, T, (int(torch.randint(0, 10, (1,), generator=g)),), generator=g)] = EOS
+    x[0, [0, 128, 256]] = EOS  # on block boundaries: block 1 is exactly one document
+    x[1, 1:] = 5  # one document over the whole window
+    x[2, 127] = EOS
+    doc = document_ids(x, EOS)
+
+    def same(b, h, q, kv):
+        return (q >= kv) & (doc[b, q] == doc[b, kv])
+
+    ref, got = create_block_mask(same, B, None, T, T, device="cpu"), document_block_mask(doc)
+    assert torch.equal(got.to_dense(), ref.to_dense())
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices",
+                 "full_q_num_blocks", "full_q_indices"):
+        assert torch.equal(getattr(got, name), getattr(ref, name)), name
+    assert int(got.full_kv_num_blocks[1].sum()) == 4 * 3 / 2  # one document: every block below the diagonal is full
+    # a window that is not a whole number of blocks goes through create_block_mask
+    assert torch.equal(document_block_mask(doc[:, :200]).to_dense(),
+                       create_block_mask(same, B, None, 200, 200, device="cpu").to_dense())
+
+
+def test_flex_attention_with_the_per_block_mask_is_sdpa_with_the_dense_mask():
+    """Two blocks of 128 and more per window, documents across block boundaries (eager flex on CPU)."""
+    x = torch.cat([windows(text(100, 1), [EOS], text(60, 2), [EOS], text(94, 3)),
+                   windows(text(129, 4), [EOS], text(126, 5))])
+    cfg = ModelConfig(**{**CFG.to_dict(), "max_seq_len": 256})
+    torch.manual_seed(0)
+    m = Transformer(cfg).eval()
+    with torch.no_grad():
+        sdpa = m(x, mask=document_mask(x, EOS, flex=False))
+        flex = m(x, mask=document_mask(x, EOS, flex=True))
+    torch.testing.assert_close(flex, sdpa, rtol=1e-4, atol=1e-4)
+
+
 def test_leakage_probe_sees_through_causal_attention_and_not_through_the_mask():
     m = model()
     assert leakage(m, EOS, 64, masked=True) == 0.0

@@ -69,7 +69,7 @@ def test_fsdp_profile_builds_the_strategy_the_rehearsal_runs():
 
 
 # what every GPU profile's fast path turns on, as the module's log line names it under debug=rehearsal
-FAST_PATH = ("fast path: bf16-mixed autocast, torch.compile(fullgraph), fused AdamW, sdpa=cpu, "
+FAST_PATH = ("fast path: bf16-mixed autocast, torch.compile(fullgraph) x2 blocks + loss, fused AdamW, sdpa=cpu, "
              "attention=sdpa:flash (document mask), loss=chunked, ")
 
 
@@ -120,7 +120,7 @@ def test_fsdp_rehearsal_parity_and_resume(tmp_path, cache_dir):
     processes and on 1."""
     run = tmp_path / "fsdp" / "run"
     out = run_cli(run, "model=tiny", "trainer=fsdp", "debug=rehearsal")
-    assert_rehearsal(out, run, "fast path: bf16-mixed autocast, torch.compile(fullgraph) x2 blocks, fused AdamW, "
+    assert_rehearsal(out, run, "fast path: bf16-mixed autocast, torch.compile(fullgraph) x2 blocks + loss, fused AdamW, "
                                "sdpa=cpu, attention=sdpa:flash (document mask), loss=chunked, "
                                "strategy=fsdp2(2, gloo), mesh=1x2 (replicate x shard), all-gather=bf16, "
                                "reduce-scatter=fp32, accumulate=2, workers=4")

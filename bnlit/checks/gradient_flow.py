@@ -723,6 +723,25 @@ def slice_batch(batch, samples: int | None = None, seq_len: int | None = None):
     return apply_to_collection(batch, torch.Tensor, cut)
 
 
+def ignore_outside(batch, samples: int | None = None, seq_len: int | None = None):
+    """The probe at the training shape: an ``(x, y)`` batch of token windows, whole, with every
+    target outside :func:`slice_batch`'s ``samples x seq_len`` set to ``IGNORE_INDEX`` -- the same
+    mean loss and gradients as the slice (causal attention: no position sees a later one), through
+    the compiled graph the training steps use rather than a recompile at the slice's shape. None
+    for any other batch (the fast path then runs the slice)."""
+    from bnlit.loss import IGNORE_INDEX
+
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2 and all(isinstance(t, torch.Tensor) for t in batch)):
+        return None
+    x, y = batch
+    if y.is_floating_point() or y.ndim != 2 or x.shape[:2] != y.shape:
+        return None
+    keep = torch.zeros_like(y, dtype=torch.bool)
+    keep[:samples or None, :seq_len or None] = True
+    return type(batch)((x, y.masked_fill(~keep, IGNORE_INDEX))) if isinstance(batch, tuple) else \
+        [x, y.masked_fill(~keep, IGNORE_INDEX)]
+
+
 @contextlib.contextmanager
 def eager_fp32(module: nn.Module):
     """``module`` as the reference runs it: ``torch.compile`` off (``force_eager``) and fp32
@@ -868,6 +887,7 @@ def fast_path_parity(
     module: nn.Module, batch, loss_fn: Callable[[object], torch.Tensor], *,
     fast_context: contextlib.AbstractContextManager | None = None,
     min_cosine: float = 0.99, max_rel_norm_error: float = 0.05, reduce: Reduce | None = None,
+    fast_batch=None,
 ) -> ParityReport:
     """Gradients of the fast path (``module`` as configured -- compiled or not -- under
     ``fast_context``, e.g. bf16 autocast) against the same module run eagerly in fp32 (math SDPA,
@@ -882,9 +902,12 @@ def fast_path_parity(
         min_cosine, max_rel_norm_error: per-parameter tolerances; see docs/gradient-flow.md for the bf16
             figures they were chosen from.
         reduce: all-reduce across ranks (each rank probes its own batch; the worst rank decides).
+        fast_batch: what the fast path runs instead of ``batch`` (the same loss at another shape:
+            :func:`ignore_outside`); default ``batch``.
     """
     params = dict(unique_trainable(module.named_parameters())[0])
-    fast = probe_gradients(params, lambda: loss_fn(batch), fast_context)
+    fast_batch = batch if fast_batch is None else fast_batch
+    fast = probe_gradients(params, lambda: loss_fn(fast_batch), fast_context)
     fast = {n: (None if g is None else g.float()) for n, g in fast.items()}
     with eager_fp32(module) as ref_params, reference_context(next(iter(params.values())).device):
         ref = probe_gradients(ref_params, lambda: loss_fn(batch))
@@ -923,8 +946,10 @@ class ArbiterSettings:
     min_cosine, max_rel_norm_error: per-parameter parity tolerances.
     probe_samples: the probe uses the first this many sequences of the step's last micro-batch.
     probe_seq_len: and the first this many positions of each (dim 1 of 2+-dim tensors; None:
-        all). The eager fp32 reference with math attention is quadratic in it: the bound is
-        ``bnlit.speed.flops.parity_probe_memory_bytes`` (printed by ``python -m bnlit.info``).
+        all). The eager fp32 reference with math attention is quadratic in it. The fast path
+        runs the whole micro-batch with the other targets ignored (:func:`ignore_outside`: the
+        compiled graph the steps use, no recompile), a training step's memory plus one gradient
+        copy; the bound is ``bnlit.speed.flops.parity_probe_memory_bytes`` (``python -m bnlit.info``).
     log_param_norms: log ``grad/<parameter>`` norms on check steps (``grad/norm`` is logged on
         every logging step either way).
     sentinel: run the every-step sentinel (missing, non-finite, zero and vanishing gradients,
@@ -1007,10 +1032,12 @@ def parity_probe(module: nn.Module, batch, settings: ArbiterSettings, fast_conte
     if not callable(hook) or batch is None:
         return {"step": step, "skipped": f"no {PROBE_HOOK}(batch) hook" if not callable(hook) else "no batch"}, None
     probe = slice_batch(batch, settings.probe_samples, settings.probe_seq_len)
+    # the fast path at the training shape (no recompile of a compiled model), the reference on the slice
+    whole = ignore_outside(batch, settings.probe_samples, settings.probe_seq_len)
     was_training = module.training
     try:
         parity = fast_path_parity(module, probe, hook, fast_context=fast_context, min_cosine=settings.min_cosine,
-                                  max_rel_norm_error=settings.max_rel_norm_error, reduce=reduce)
+                                  max_rel_norm_error=settings.max_rel_norm_error, reduce=reduce, fast_batch=whole)
     except Exception as e:  # noqa: BLE001
         reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         return {"step": step, "skipped": reason}, None

@@ -1,10 +1,11 @@
 """The LightningDataModule: sources -> tokenizer (trained or reused) -> packed shards -> windows.
 
-``prepare_data`` (one process per node) materialises the embedded corpus, trains or loads the
-tokenizer, builds the shards and checks them against their index's checksums; ``setup`` (every
-process) opens them read-only. Everything built
-is cached under ``cache_dir`` by a hash of its inputs, so a second run starts at once and a
-changed source or tokenizer rebuilds."""
+``prepare_data`` (one process per node) materialises the embedded corpus and runs the data build
+(bnlit/data/pipeline.py: datatrove stages that clean, train or load the tokenizer and build the
+shards), then checks the shards against their index's checksums; ``setup`` (every process) opens
+them read-only. Everything built is cached under ``cache_dir`` by a hash of its inputs, so a second
+run starts at once, a changed source or tokenizer rebuilds, and a build made beforehand by
+``python -m bnlit.prepare`` (on a cluster) is found and read."""
 
 from __future__ import annotations
 
@@ -26,13 +27,13 @@ from bnlit import progress as progress_bars
 from bnlit.interrupt import worker_ignores_interrupts
 from bnlit.data import embedded
 from bnlit.data.dataset import MixtureSampler, PackedWindows, mixture_counts, resume_start
-from bnlit.data.pipeline import CleanConfig, clean_sources, load_stats, read_clean
+from bnlit.data.pipeline import CleanConfig, Plan, load_stats, plan_data, run_local, workers
 from bnlit.data.report import build_report, log_report, write_report
-from bnlit.data.shards import build_shards, is_validation, load_index, read_tokens
-from bnlit.data.sources import Source, check_exists, fingerprint, iter_documents
+from bnlit.data.shards import load_index, read_tokens
+from bnlit.data.sources import Source, check_exists, fingerprint
 from bnlit.errors import ConfigError, TokenizerError
 from bnlit.checks.fertility import by_language, chars_per_token, effective_shares, token_weights_for_char_shares
-from bnlit.tokenizer import RECIPE_VERSION, Tokenizer, sample_by_language, train_tokenizer, training_lines
+from bnlit.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 TOKENIZER_FILE = "tokenizer.model"
@@ -93,6 +94,8 @@ class BnDataModule(L.LightningDataModule):
         shares, from each source's characters per token under the run's tokenizer).
     prefetch_factor: batches each loader worker prepares ahead (None: torch's default).
     progress: show progress bars while cleaning, training the tokenizer and building shards.
+    executor: ``data.executor``: ``tasks`` (pieces each source is split into) and how
+        ``python -m bnlit.prepare`` runs the stages (``kind: local`` or ``slurm``).
     """
 
     def __init__(
@@ -106,12 +109,13 @@ class BnDataModule(L.LightningDataModule):
         val_fraction: float = 0.05,
         num_workers: int = 0,
         pin_memory: bool = False,
-        num_proc: int = 1,
+        num_proc: int | str = 1,
         seed: int = 0,
         weight_unit: str = "tokens",
         prefetch_factor: int | None = None,
         clean: Mapping[str, Any] | None = None,
         progress: bool = True,
+        executor: Mapping[str, Any] | None = None,
     ):
         super().__init__()
         progress_bars.ENABLED = progress
@@ -143,6 +147,10 @@ class BnDataModule(L.LightningDataModule):
         self.clean_stats: dict | None = None
         self.report: dict | None = None
         self._report_logged = False
+        # data.executor: how the build's datatrove stages run (conf/data/executor/); a training run
+        # builds with LocalPipelineExecutor, num_proc tasks at a time
+        self.executor = dict(executor or {"kind": "local", "tasks": 1})
+        self._timing: dict[str, float] = {}
 
     # ---- building -------------------------------------------------------------------------
     def _resolve(self) -> list[tuple[Source, Path | None]]:
@@ -162,122 +170,58 @@ class BnDataModule(L.LightningDataModule):
                 resolved.append((s, None))
         return resolved
 
-    def _documents(self, source: Source, path: Path | None):
-        if self.clean_dir is not None:  # the cleaned documents, once the pipeline has run
-            return read_clean(self.clean_dir, source.name)
-        return iter_documents(source, path, cache_dir=str(self.cache_dir / "hf"))
-
-    def _tokenizer(self, resolved, fingerprints: list[str]) -> Tokenizer:
+    def plan(self) -> Plan:
+        """What the data build makes and where (bnlit/data/pipeline.py); checks the inputs it can
+        before any work: the files exist, a given tokenizer has the model's vocabulary size."""
         cfg = self.tokenizer_cfg
-        want = cfg["vocab_size"]
         if cfg.get("path"):
             tok = Tokenizer(cfg["path"])
-            if tok.vocab_size != want:
+            if tok.vocab_size != cfg["vocab_size"]:
                 raise TokenizerError(
                     f"tokenizer.path: {cfg['path']} has {tok.vocab_size} tokens but "
-                    f"model.config.vocab_size={want}; set model.config.vocab_size={tok.vocab_size} "
+                    f"model.config.vocab_size={cfg['vocab_size']}; set model.config.vocab_size={tok.vocab_size} "
                     "or train a tokenizer of that size"
                 )
-            return tok
-        lang_weights = dict(cfg["lang_weights"]) if cfg.get("lang_weights") else None
-        normalization = cfg.get("normalization") or "nfc"
-        split_digits = bool(cfg.get("split_digits", True))
-        word_freq = {k: float(v) for k, v in (cfg.get("word_frequencies") or {}).items() if v}
-        spec = {**{k: cfg.get(k) for k in ("vocab_size", "model_type", "character_coverage")},
-                "lang_weights": lang_weights, "normalization": normalization, "split_digits": split_digits,
-                "word_frequencies": word_freq, "recipe": RECIPE_VERSION}
-        key = hashlib.sha256(json.dumps([spec, fingerprints, self.val_fraction]).encode()).hexdigest()[:16]
-        path = self.cache_dir / "tokenizers" / key / TOKENIZER_FILE
-        if path.is_file():
-            log.info("data: tokenizer reused from %s", path)
-        else:
-            timer = progress_bars.Timer().__enter__()
-            docs = (d for s, p in resolved for d in self._documents(s, p)
-                    if not is_validation(d, self.val_fraction))
-            if lang_weights or word_freq:
-                by_lang: dict[str, list[str]] = {}
-                for s, p in resolved:
-                    by_lang.setdefault(s.language, []).extend(
-                        training_lines(d for d in self._documents(s, p) if not is_validation(d, self.val_fraction)))
-                for lang, ratio in word_freq.items():
-                    if by_lang.get(lang):  # a supplement to a language the sources have
-                        chars = int(ratio * sum(map(len, by_lang[lang])))
-                        by_lang[lang] += embedded.word_lines(lang, chars, seed=self.seed)
-                if lang_weights and set(lang_weights) - set(by_lang):
-                    log.info("tokenizer.lang_weights: data.sources have no %s text; weighting %s only",
-                             sorted(set(lang_weights) - set(by_lang)), sorted(set(lang_weights) & set(by_lang)))
-                    lang_weights = {k: v for k, v in lang_weights.items() if k in by_lang}
-                docs = sample_by_language(by_lang, lang_weights if len(lang_weights or ()) > 1 else None,
-                                          seed=self.seed)
-            train_tokenizer(docs, path, vocab_size=want, model_type=spec["model_type"],
-                            character_coverage=spec["character_coverage"], normalization=normalization,
-                            split_digits=split_digits)
-            (path.parent / "sources.json").write_text(json.dumps([s.to_dict() for s, _ in resolved], indent=2))
-            timer.__exit__()
-            progress_bars.stage_summary("tokenizer", f"trained: {want} {spec['model_type']} pieces", timer.seconds)
-        return Tokenizer(path)
+        resolved = self._resolve()
+        evals = []
+        if self.clean_cfg.enabled:
+            for i, item in enumerate(self.clean_cfg.decontam.eval_files):
+                spec = {"path": item} if isinstance(item, str) else dict(item)
+                path = Path(spec["path"]).expanduser()
+                src = Source(name=spec.get("name") or path.stem, language="eval", path=str(path),
+                             text_field=spec.get("text_field", "text"), sample_by=spec.get("sample_by", "line"),
+                             field=f"data.clean.decontam.eval_files[{i}]")
+                check_exists(path, f"{src.field}.path")
+                evals.append((src, path))
+        return plan_data([s for s, _ in resolved], [p for _, p in resolved], [fingerprint(s, p) for s, p in resolved],
+                         self.clean_cfg, self.val_fraction, self.cache_dir, self.tokenizer_cfg, seed=self.seed,
+                         tasks=int(self.executor.get("tasks", 1)), eval_sources=evals)
 
     def _build(self) -> None:
         if self.tokenizer is not None:
             return
-        resolved = self._resolve()
-        fingerprints = [fingerprint(s, p) for s, p in resolved]
-        if self.clean_cfg.enabled:
-            fingerprints = self._clean(resolved, fingerprints)
-        self.tokenizer = self._tokenizer(resolved, fingerprints)
-        total_chars = (sum(st["kept_chars"] for st in self.clean_stats["sources"].values())
-                       if self.clean_stats else None)
-        with progress_bars.Timer() as timer:
-            self.shard_dir = build_shards(
-                self.cache_dir / "shards",
-                [(s.name, s.language, self._documents(s, p)) for s, p in resolved],
-                fingerprints,
-                self.tokenizer,
-                self.val_fraction,
-                num_proc=self.num_proc,
-                total_chars=total_chars,
-            )
+        plan = self.plan()
+        cached = plan.clean_done()
+        run_local(plan, workers=workers(self.num_proc), quiet=True, on_group=lambda group, seconds: self._timing.update({group: seconds}))
+        if plan.clean_dir is not None:
+            self.clean_dir, self.clean_stats = plan.clean_dir, load_stats(plan.clean_dir)
+            st = self.clean_stats["sources"].values()
+            progress_bars.stage_summary(
+                "clean", f"{'reused: ' if cached else ''}kept {sum(x['kept_docs'] for x in st)} of "
+                f"{sum(x['input_docs'] for x in st)} documents ({progress_bars.human(sum(x['kept_chars'] for x in st))} of "
+                f"{progress_bars.human(sum(x['input_chars'] for x in st))} characters) in {plan.clean_dir}",
+                self._timing.get("clean", 0.0))
+        if "tokenizer" not in self._timing:
+            log.info("data: tokenizer %s %s", "given:" if plan.tokenizer_given else "reused from", plan.tokenizer_path)
+        self.tokenizer = Tokenizer(plan.tokenizer_path)
+        self.shard_dir = plan.shard_dir()
         # every block against the index's checksum, once per node (local rank zero), before training
         self.index = load_index(self.shard_dir, verify=self.trainer is None or self.trainer.local_rank == 0)
         tokens = {split: sum(e[split]["tokens"] for e in self.index["sources"].values()) for split in ("train", "val")}
         progress_bars.stage_summary("shards", f"{progress_bars.human(tokens['train'])} training and "
                                     f"{progress_bars.human(tokens['val'])} validation tokens in {self.shard_dir}",
-                                    timer.seconds)
+                                    self._timing.get("shards", 0.0))
         self.report = build_report(self.index, self.clean_stats, self.shard_dir, self.clean_dir)
-
-    def _clean(self, resolved, fingerprints: list[str]) -> list[str]:
-        """Run the cleaning pipeline once (cached by its inputs); returns the fingerprints of the
-        cleaned sources, so tokenizers and shards are keyed by the cleaning too."""
-        hf_cache = str(self.cache_dir / "hf")
-        evals = []
-        for i, item in enumerate(self.clean_cfg.decontam.eval_files):
-            spec = {"path": item} if isinstance(item, str) else dict(item)
-            path = Path(spec["path"]).expanduser()
-            src = Source(name=spec.get("name") or path.stem, language="eval", path=str(path),
-                         text_field=spec.get("text_field", "text"), sample_by=spec.get("sample_by", "line"),
-                         field=f"data.clean.decontam.eval_files[{i}]")
-            check_exists(path, f"{src.field}.path")
-            evals.append((src, path, fingerprint(src, path)))
-        key = hashlib.sha256(json.dumps([fingerprints, self.clean_cfg.to_dict(), self.val_fraction,
-                                         [e[2] for e in evals]]).encode()).hexdigest()[:16]
-        self.clean_dir = None
-        out = self.cache_dir / "clean" / key
-        local = [p for _, p in resolved]
-        cached = load_stats(out) is not None
-        with progress_bars.Timer() as timer:
-            self.clean_stats = clean_sources(
-                out, [(s.name, s.language, self._documents(s, p)) for s, p in resolved],
-                self.clean_cfg, self.val_fraction,
-                eval_sets={f"eval/{src.name}": iter_documents(src, path, cache_dir=hf_cache) for src, path, _ in evals},
-                num_proc=self.num_proc,
-                total_bytes=sum(p.stat().st_size for p in local) if all(local) else None)
-        st = self.clean_stats["sources"].values()
-        progress_bars.stage_summary(
-            "clean", f"{'reused: ' if cached else ''}kept {sum(x['kept_docs'] for x in st)} of {sum(x['input_docs'] for x in st)} documents "
-            f"({progress_bars.human(sum(x['kept_chars'] for x in st))} of "
-            f"{progress_bars.human(sum(x['input_chars'] for x in st))} characters) in {out}", timer.seconds)
-        self.clean_dir = out
-        return [f"{fp}:clean:{key}" for fp in fingerprints]
 
     def prepare_data(self) -> None:
         self._build()

@@ -24,6 +24,8 @@ evaluation set contaminated and what share of that set's documents appear in tra
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
@@ -208,6 +210,59 @@ class Decontaminator:
 
     def summary(self) -> dict[str, dict]:
         return {name: s.summary() for name, s in self.sets.items()}
+
+    # ---- on disk, for tasks that share the work (bnlit.data.steps) ---------------------------
+    def save(self, path: str | os.PathLike) -> None:
+        """The frozen index: each set's n-gram hashes, owners and per-document n-gram counts."""
+        arrays = {"meta": np.frombuffer(json.dumps({
+            "ngram": self.n, "min_overlap": self.min_overlap,
+            "sets": {name: {"docs": s.docs, "too_short": s.too_short} for name, s in self.sets.items()}}).encode(), np.uint8)}
+        for i, s in enumerate(self.sets.values()):
+            arrays.update({f"hashes{i}": s.hashes, f"owners{i}": s.owners, f"doc_ngrams{i}": s.doc_ngrams})
+        _save_npz(path, arrays)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Decontaminator":
+        with np.load(path) as z:
+            meta = json.loads(z["meta"].tobytes())
+            d = cls(meta["ngram"], meta["min_overlap"])
+            for i, (name, m) in enumerate(meta["sets"].items()):
+                d.sets[name] = EvalSet(name, m["docs"], m["too_short"], z[f"hashes{i}"], z[f"owners{i}"],
+                                       z[f"doc_ngrams{i}"])
+        return d
+
+    def save_counts(self, path: str | os.PathLike) -> None:
+        """What :meth:`record` counted here, for :func:`merge_counts` (one task's share)."""
+        arrays = {"meta": np.frombuffer(json.dumps({name: {k: getattr(s, k) for k in COUNTERS}
+                                                    for name, s in self.sets.items()}).encode(), np.uint8)}
+        for i, s in enumerate(self.sets.values()):
+            arrays[f"hit{i}"] = np.fromiter(sorted(s.hit_docs), np.int64, len(s.hit_docs))
+            arrays[f"touched{i}"] = np.fromiter(sorted(s.touched_docs), np.int64, len(s.touched_docs))
+            arrays[f"found{i}"] = np.unique(np.concatenate(s.found)) if s.found else np.zeros(0, np.uint64)
+        _save_npz(path, arrays)
+
+    def merge_counts(self, path: str | os.PathLike) -> None:
+        """Add one task's :meth:`save_counts` to this index's sets."""
+        with np.load(path) as z:
+            meta = json.loads(z["meta"].tobytes())
+            for i, (name, counts) in enumerate(meta.items()):
+                s = self.sets[name]
+                for k in COUNTERS:
+                    setattr(s, k, getattr(s, k) + counts[k])
+                s.hit_docs.update(z[f"hit{i}"].tolist())
+                s.touched_docs.update(z[f"touched{i}"].tolist())
+                if z[f"found{i}"].size:
+                    s.found.append(z[f"found{i}"])
+
+
+COUNTERS = ("train_docs_hit", "train_chars_hit", "train_docs_touched")
+
+
+def _save_npz(path: str | os.PathLike, arrays: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}.npz"
+    np.savez(tmp, **arrays)
+    os.replace(tmp, path)
 
 
 def contamination(eval_texts: Iterable[str], train_texts: Iterable[str], ngram: int = 13,

@@ -1,23 +1,23 @@
-"""Exact and near-duplicate removal, within and across sources.
+"""Exact and near-duplicate removal, within and across sources: what is compared (pure
+functions); the datatrove steps that do it at scale are in :mod:`bnlit.data.steps`.
 
 * **Exact**: a document whose canonical text (normalised, lower-cased, punctuation removed,
-  whitespace collapsed: :func:`canonical_words`) hashes like an earlier one's is dropped.
-* **Near**: MinHash signatures of word ``shingle``-grams, indexed by ``datasketch.MinHashLSH`` at
-  Jaccard ``threshold``; a document whose signature collides with an earlier document's in any
-  LSH band is dropped (candidates are not re-verified: at threshold 0.8 with 128 permutations the
-  banding makes pairs below ~0.6 Jaccard unlikely to collide).
+  whitespace collapsed: :func:`canonical_words`) hashes like an earlier one's is dropped
+  (datatrove's exact-dedup stages).
+* **Near**: MinHash values of word ``shingle``-grams (:func:`signature`), cut into the LSH bands
+  datasketch's ``MinHashLSH`` picks for Jaccard ``threshold`` (:func:`lsh_bands`); a document
+  that shares a band with an earlier *kept* document is dropped (datatrove's MinHash stages with
+  bnlit's first-seen clustering; candidates are not re-verified: at threshold 0.8 with 128
+  permutations the banding makes pairs below ~0.6 Jaccard unlikely to collide).
 
 The first document seen wins, in source order then document order, so which copy survives is
-deterministic. Signatures (:func:`signature`) are pure and computed in worker processes; only the
-index lookups run in the main process.
+deterministic and does not depend on how many tasks share the work.
 """
 
 from __future__ import annotations
 
-import hashlib
 import unicodedata
-from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import xxhash
@@ -36,11 +36,6 @@ def canonical_words(text: str) -> list[str]:
     """Lower-cased words with punctuation and symbols (danda included) turned into spaces; used
     by exact dedup, MinHash shingles and decontamination n-grams alike."""
     return text.lower().translate(_PUNCT).split()
-
-
-def exact_key(ws: list[str]) -> int:
-    """64-bit hash of a document's canonical words (:func:`canonical_words`)."""
-    return int.from_bytes(hashlib.blake2b(" ".join(ws).encode(), digest_size=8).digest(), "little")
 
 
 def shingles(ws: list[str], n: int) -> list[bytes]:
@@ -87,82 +82,37 @@ def _permutations(num_perm: int):
     return _PERMUTATIONS[num_perm]
 
 
-def _minhash(num_perm: int, hashvalues=None):
-    from datasketch import MinHash
+_FMIX32 = (16, 0x85EBCA6B, 13, 0xC2B2AE35, 16)  # MurmurHash3's 32-bit finalizer
 
-    return MinHash(num_perm=num_perm, seed=1, hashfunc=xxhash.xxh32_intdigest,
-                   permutations=_permutations(num_perm), hashvalues=hashvalues, scheme=SCHEME)
+
+def minhash_values(shingle_hashes, num_perm: int) -> np.ndarray:
+    """MinHash values (``num_perm`` uint32) of a document's shingle hashes (xxh32 of each
+    shingle): datasketch's ``affine32`` scheme with seed 1 (each hash pre-mixed with the
+    MurmurHash3 finalizer, then ``a * h + b`` mod 2**32, the minimum per permutation), computed
+    on the whole array at once; tests/test_dedup.py checks it against datasketch's ``MinHash``."""
+    a, b = (np.asarray(x, dtype=np.uint32) for x in _permutations(num_perm))
+    hv = np.asarray(shingle_hashes, dtype=np.uint64).astype(np.uint32)
+    if hv.size == 0:
+        return np.full(num_perm, np.iinfo(np.uint32).max, dtype=np.uint32)
+    s1, m1, s2, m2, s3 = _FMIX32
+    with np.errstate(over="ignore"):
+        hv = hv ^ (hv >> np.uint32(s1))
+        hv = hv * np.uint32(m1)
+        hv = hv ^ (hv >> np.uint32(s2))
+        hv = hv * np.uint32(m2)
+        hv = hv ^ (hv >> np.uint32(s3))
+        return (hv[:, None] * a + b).min(axis=0)
 
 
 def signature(ws: list[str], cfg: DedupConfig) -> np.ndarray:
-    """MinHash hash values (``num_perm`` uint32) of the word shingles of ``ws``."""
-    m = _minhash(cfg.num_perm)
-    m.update_batch(shingles(ws, cfg.shingle))
-    return m.hashvalues
+    """MinHash values of the word shingles of ``ws`` (:func:`minhash_values`)."""
+    return minhash_values([xxhash.xxh32_intdigest(s) for s in shingles(ws, cfg.shingle)], cfg.num_perm)
 
 
-@dataclass
-class DedupStats:
-    exact: Counter = field(default_factory=Counter)  # per source: documents dropped
-    near: Counter = field(default_factory=Counter)
-    exact_cross: Counter = field(default_factory=Counter)  # of those, whose kept copy is in another source
-    near_cross: Counter = field(default_factory=Counter)
-    chars: Counter = field(default_factory=Counter)  # per source: characters dropped
+def lsh_bands(cfg: DedupConfig) -> tuple[int, int]:
+    """(bands, rows per band) that datasketch's ``MinHashLSH`` picks for ``cfg.threshold`` and
+    ``cfg.num_perm`` (equal false-positive and false-negative weights): 9 x 13 at 0.8 / 128."""
+    from datasketch import MinHashLSH
 
-    def to_dict(self) -> dict:
-        # not dataclasses.asdict: it rebuilds a Counter from (key, value) pairs, counting the pairs
-        return {f: dict(getattr(self, f)) for f in self.__dataclass_fields__}
-
-
-class Deduplicator:
-    """Stateful first-seen-wins index over all sources of a build."""
-
-    def __init__(self, cfg: DedupConfig):
-        self.cfg = cfg
-        self.stats = DedupStats()
-        self._exact: dict[int, str] = {}
-        self._owner: list[str] = []  # LSH key -> source name
-        self._lsh = None
-        if cfg.near:
-            from datasketch import MinHashLSH
-
-            self._lsh = MinHashLSH(threshold=cfg.threshold, num_perm=cfg.num_perm)
-
-    def check(self, source: str, key: int | None, sig: np.ndarray | None, n_chars: int) -> str | None:
-        """Return ``"exact"``/``"near"`` for a duplicate (counted) or None after indexing it."""
-        if self.cfg.exact and key is not None:
-            owner = self._exact.get(key)
-            if owner is not None:
-                self._count("exact", source, owner, n_chars)
-                return "exact"
-        if self._lsh is not None and sig is not None:
-            m = _minhash(self.cfg.num_perm, hashvalues=sig)
-            hits = self._lsh.query(m)
-            if hits:
-                self._count("near", source, self._owner[min(hits)], n_chars)
-                return "near"
-            self._lsh.insert(len(self._owner), m, check_duplication=False)
-            self._owner.append(source)
-        if self.cfg.exact and key is not None:
-            self._exact[key] = source
-        return None
-
-    def _count(self, kind: str, source: str, owner: str, n_chars: int) -> None:
-        getattr(self.stats, kind)[source] += 1
-        if owner != source:
-            getattr(self.stats, f"{kind}_cross")[source] += 1
-        self.stats.chars[source] += n_chars
-
-
-def deduplicate(docs: list[tuple[str, str]], cfg: DedupConfig | None = None) -> tuple[list[tuple[str, str]], DedupStats]:
-    """``(source, text)`` pairs without their exact and near duplicates (in-process helper)."""
-    cfg = cfg or DedupConfig()
-    d = Deduplicator(cfg)
-    kept = []
-    for source, text in docs:
-        ws = canonical_words(text)
-        key = exact_key(ws) if cfg.exact else None
-        sig = signature(ws, cfg) if cfg.near else None
-        if d.check(source, key, sig, len(text)) is None:
-            kept.append((source, text))
-    return kept, d.stats
+    lsh = MinHashLSH(threshold=cfg.threshold, num_perm=cfg.num_perm)
+    return lsh.b, lsh.r

@@ -1,39 +1,63 @@
-"""The document path before tokenizer training and shard building:
-normalise -> filter -> deduplicate (exact, near; across sources) -> split -> decontaminate.
+"""The data build as datatrove pipelines: sources -> normalise -> filter -> deduplicate (exact,
+near; across sources) -> decontaminate -> tokenizer -> token shards.
 
-``clean_sources`` reads every source once and writes the kept documents of each source, in their
-original order, to ``<out>/<name>.jsonl`` with ``stats.json`` beside them (the counts the data
-report shows). Normalisation, filters and MinHash signatures run in worker processes; dedup lookups
-run in the main process, first-seen wins. The validation split is the content hash of the
-normalised text (:func:`bnlit.data.shards.is_validation`, the same rule the shard builder
-applies), so dedup before the split means no near-copy straddles train and validation. Training
-documents are then checked against the evaluation sets (the validation slices, one per
-language, and the user's benchmark files) and dropped or flagged.
+:func:`plan_data` fixes what is built and where (cache keys from the inputs, one task per
+contiguous piece of a source); :func:`stages` turns the plan into datatrove pipelines, one per
+stage, each stage ``depends`` on the one before: the stages that need a global view (the
+duplicate finders and first-seen clustering, the decontamination index, the statistics,
+tokenizer training, the shard merge) run after every task of the stage before has finished.
+:func:`run_local` runs them with ``LocalPipelineExecutor`` (in this process when one worker),
+:func:`launch_slurm` submits them as SLURM job arrays chained by dependencies
+(``python -m bnlit.prepare data/executor=slurm``). Either way a relaunch skips the finished
+tasks (datatrove's completion markers), and the output equals an uninterrupted run's.
+
+Stages and folders under ``<cache>/clean/<key>/`` (a stage is left out when its switch is off):
+
+=================  =======  ===========================================================
+stage              tasks    steps
+=================  =======  ===========================================================
+``read``           pieces   source reader, normalise, bnlit filters, JSONL writer
+                            (``filtered/``), exact-dedup and MinHash signatures
+``dedup_find``     bands    datatrove ``ExactFindDedups`` + ``MinhashDedupBuckets``
+``dedup_cluster``  1        :class:`~bnlit.data.steps.FirstSeenCluster`
+``dedup``          pieces   datatrove ``ExactDedupFilter`` + ``MinhashDedupFilter``
+``decontam_index`` 1        evaluation n-gram index (validation documents, eval files)
+``decontam``       pieces   drop or flag contaminated training documents -> ``docs/``
+``clean_stats``    1        ``stats.json`` (what the data report shows), intermediates removed
+``tokenizer``      1        train the SentencePiece model (unless ``tokenizer.path``)
+``tokenize``       pieces   tokens per task
+``shards``         1        tasks joined per source into ``<cache>/shards/<key>/``
+=================  =======  ===========================================================
+
+The validation split is the content hash of the normalised text
+(:func:`bnlit.data.shards.is_validation`), so dedup before the split means no near-copy
+straddles train and validation; training documents are checked against the evaluation sets (the
+validation slices, one per language, and the user's benchmark files) and dropped or flagged.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
 import json
 import logging
-import multiprocessing as mp
 import os
-import shutil
-from collections import deque
-from collections.abc import Iterable, Iterator
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bnlit import progress
 from bnlit.data import filters as F
-from bnlit.data.decontam import DecontamConfig, Decontaminator
-from bnlit.data.dedup import DedupConfig, Deduplicator, canonical_words, exact_key, signature
-from bnlit.data.normalize import normalize_text
-from bnlit.data.shards import char_chunks, is_validation, ordered_map
+from bnlit.data.decontam import DecontamConfig
+from bnlit.data.dedup import DedupConfig, lsh_bands
+from bnlit.data.sources import Piece, Source, iter_documents
+from bnlit.data.steps import STATS_FILE  # noqa: F401 (the cleaning's "finished" mark, written by CleanStats)
 from bnlit.errors import ConfigError
 
 log = logging.getLogger(__name__)
-STATS_FILE = "stats.json"
-CHUNK_CHARS = 2_000_000
+DOCS = "docs"
 
 
 @dataclass
@@ -67,201 +91,326 @@ class CleanConfig:
                 "dedup": self.dedup.to_dict(), "decontam": self.decontam.to_dict()}
 
 
-def _prepare(task: tuple[list[str], str, CleanConfig]) -> list[tuple[str, str | None, int | None, object]]:
-    """Worker: (normalised text, filter reason, exact key, MinHash signature) per document."""
-    texts, language, cfg = task
-    out = []
-    for raw in texts:
-        text = normalize_text(raw) if cfg.normalize else raw
-        reason = F.filter_reason(text, language, cfg.filters) if cfg.filters else None
-        if not text.strip():
-            reason = "length:empty"
-        if reason is not None:
-            out.append((text, reason, None, None))
-            continue
-        ws = canonical_words(text)
-        key = exact_key(ws) if cfg.dedup.exact else None
-        sig = signature(ws, cfg.dedup) if cfg.dedup.near else None
-        out.append((text, None, key, sig))
+@dataclass
+class Plan:
+    """What a data build makes and where; everything a stage's steps need (picklable, for SLURM).
+
+    ``pieces[rank]`` is the share of a source that task ``rank`` of every parallel stage reads.
+    ``fingerprints`` identify the documents the tokenizer and shards are made of (the sources'
+    own, with the cleaning key when cleaning)."""
+
+    sources: list[Source]
+    paths: list[Path | None]
+    pieces: list[Piece]
+    fingerprints: list[str]
+    clean: CleanConfig
+    val_fraction: float
+    cache_dir: Path
+    clean_dir: Path | None
+    eval_sources: list = field(default_factory=list)  # (set name, (Source, Path))
+    tokenizer_cfg: dict = field(default_factory=dict)
+    tokenizer_path: Path | None = None
+    tokenizer_given: bool = False
+    seed: int = 0
+    work_key: str = ""
+
+    @property
+    def hf_cache(self) -> str:
+        return str(self.cache_dir / "hf")
+
+    @property
+    def shard_root(self) -> Path:
+        return self.cache_dir / "shards"
+
+    @property
+    def tasks_dir(self) -> Path:
+        return self.shard_root / f".tasks-{self.work_key}"
+
+    @property
+    def shard_logs(self) -> Path:
+        return self.shard_root / f".logs-{self.work_key}"
+
+    def ranks_of(self, i: int) -> list[int]:
+        return [r for r, p in enumerate(self.pieces) if p.source_index == i]
+
+    @property
+    def language_of(self) -> list[str]:
+        return [p.source.language for p in self.pieces]
+
+    def documents(self, i: int) -> Iterator[str]:
+        """Source ``i``'s documents as the tokenizer and shards see them: cleaned, or as read."""
+        if self.clean_dir is not None:
+            yield from read_clean(self.clean_dir, self.sources[i].name)
+            return
+        for p in self.pieces:
+            if p.source_index == i:
+                yield from iter_documents(p.source, p.path, cache_dir=self.hf_cache, piece=p.index, pieces=p.of)
+
+    def clean_done(self) -> bool:
+        return self.clean_dir is None or load_stats(self.clean_dir) is not None
+
+    def shard_dir(self) -> Path | None:
+        """The finished shard directory, or None while the tokenizer or the shards are missing."""
+        from bnlit.data.shards import INDEX_FILE, shard_key
+        from bnlit.tokenizer import Tokenizer
+
+        if not self.tokenizer_path.is_file():
+            return None
+        d = self.shard_root / shard_key(self.fingerprints, Tokenizer(self.tokenizer_path).sha256, self.val_fraction)
+        return d if (d / INDEX_FILE).is_file() else None
+
+
+def _key(*parts) -> str:
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
+
+
+def plan_data(sources: list[Source], paths: list[Path | None], fingerprints: list[str], clean: CleanConfig,
+              val_fraction: float, cache_dir: Path, tokenizer_cfg: dict, seed: int = 0, tasks: int = 1,
+              eval_sources: list | None = None) -> Plan:
+    """The build for these inputs: ``tasks`` contiguous pieces per source (fewer for a source
+    that cannot be split, :func:`bnlit.data.sources.source_pieces`); cache keys from the inputs
+    only, so the task count changes nothing that is built."""
+    from bnlit.data.sources import fingerprint, source_pieces
+
+    if tasks < 1:
+        raise ConfigError(f"data.executor.tasks={tasks}: must be >= 1")
+    cache_dir = Path(cache_dir)
+    hf = str(cache_dir / "hf")
+    pieces = [Piece(s, p, i, j, n) for i, (s, p) in enumerate(zip(sources, paths))
+              for n in [source_pieces(s, p, hf, tasks)] for j in range(n)]
+    clean_dir = None
+    evals = []
+    if clean.enabled:
+        for src, path in eval_sources or []:
+            evals.append((f"eval/{src.name}", (src, path), fingerprint(src, path)))
+        key = _key(fingerprints, clean.to_dict(), val_fraction, [e[2] for e in evals])
+        clean_dir = cache_dir / "clean" / key
+        fingerprints = [f"{fp}:clean:{key}" for fp in fingerprints]
+    plan = Plan(sources, paths, pieces, fingerprints, clean, val_fraction, cache_dir, clean_dir,
+                [(name, sp) for name, sp, _ in evals], dict(tokenizer_cfg), seed=seed)
+    if tokenizer_cfg.get("path"):
+        plan.tokenizer_path, plan.tokenizer_given = Path(tokenizer_cfg["path"]).expanduser(), True
+        identity = hashlib.sha256(plan.tokenizer_path.read_bytes()).hexdigest()
+    else:
+        identity = tokenizer_key(tokenizer_cfg, fingerprints, val_fraction)
+        plan.tokenizer_path = cache_dir / "tokenizers" / identity / "tokenizer.model"
+    plan.work_key = _key(fingerprints, identity, val_fraction)
+    return plan
+
+
+def tokenizer_key(cfg: dict, fingerprints: list[str], val_fraction: float) -> str:
+    from bnlit.tokenizer import RECIPE_VERSION
+
+    spec = {**{k: cfg.get(k) for k in ("vocab_size", "model_type", "character_coverage")},
+            "lang_weights": dict(cfg["lang_weights"]) if cfg.get("lang_weights") else None,
+            "normalization": cfg.get("normalization") or "nfc", "split_digits": bool(cfg.get("split_digits", True)),
+            "word_frequencies": {k: float(v) for k, v in (cfg.get("word_frequencies") or {}).items() if v},
+            "recipe": RECIPE_VERSION}
+    return _key(spec, fingerprints, val_fraction)
+
+
+# ---- the stages ----------------------------------------------------------------------------
+@dataclass
+class Stage:
+    name: str
+    pipeline: list
+    tasks: int
+    logging_dir: Path
+    group: str  # clean, tokenizer or shards: what the progress summary calls it
+
+
+def stages(plan: Plan) -> list[Stage]:
+    """The datatrove pipelines still to run for ``plan``, in order (finished parts left out)."""
+    out: list[Stage] = []
+    if not plan.clean_done():
+        out += _clean_stages(plan)
+    if not plan.tokenizer_path.is_file():
+        from bnlit.data.steps import TrainTokenizer
+
+        out.append(Stage("tokenizer", [TrainTokenizer(plan)], 1, plan.shard_logs / "tokenizer", "tokenizer"))
+    if plan.tokenizer_path.is_file() and plan.shard_dir() is not None:
+        return out
+    from bnlit.data.steps import MergeShards, RankReader, SourceReader, Tokenize
+
+    reader = RankReader(str(plan.clean_dir / DOCS)) if plan.clean_dir else SourceReader(plan.pieces, plan.hf_cache)
+    out.append(Stage("tokenize", [reader, Tokenize(str(plan.tasks_dir), str(plan.tokenizer_path), plan.val_fraction)],
+                     len(plan.pieces), plan.shard_logs / "tokenize", "shards"))
+    out.append(Stage("shards", [MergeShards(plan)], 1, plan.shard_logs / "shards", "shards"))
     return out
 
 
-_decon: dict = {}
+def _clean_stages(plan: Plan) -> list[Stage]:
+    from datatrove.pipeline.dedup.exact_dedup import ExactDedupFilter, ExactFindDedups
+    from datatrove.pipeline.dedup.minhash import MinhashDedupBuckets, MinhashDedupFilter
+    from datatrove.pipeline.writers.jsonl import JsonlWriter
+
+    from bnlit.data import steps as S
+
+    cfg, W = plan.clean, plan.clean_dir
+    logs = W / "logs"
+    P = len(plan.pieces)
+    exact, near, decon = cfg.dedup.exact, cfg.dedup.near, cfg.decontam.enabled
+    dedup = exact or near
+    bands = lsh_bands(cfg.dedup)[0] if near else 1
+
+    def writer(folder: str):
+        return JsonlWriter(str(W / folder), output_filename="${rank}.jsonl", compression=None, adapter=S.text_only)
+
+    first_out = "filtered" if dedup else ("deduped" if decon else DOCS)
+    read = [S.SourceReader(plan.pieces, plan.hf_cache)] + ([S.Normalize()] if cfg.normalize else [])
+    read += [S.QualityFilter(cfg.filters)]
+    val_copy = [S.ValidationCopy(str(W / "val"), plan.val_fraction)] if decon else []
+    read += (val_copy if not dedup else []) + [writer(first_out)]
+    if exact:
+        read.append(S.ExactSignature(str(W / "exact/sigs"), finder_workers=bands))
+    if near:
+        read.append(S.MinhashSignature(str(W / "minhash/sigs"), cfg.dedup))
+    out = [Stage("read", read, P, logs / "read", "clean")]
+    if dedup:
+        find = ([ExactFindDedups(str(W / "exact/sigs"), str(W / "exact/dups"), config=S.exact_config())] if exact else [])
+        if near:
+            find.append(MinhashDedupBuckets(str(W / "minhash/sigs"), str(W / "minhash/buckets"),
+                                            config=S.minhash_config(cfg.dedup)))
+        out.append(Stage("dedup_find", find, bands, logs / "dedup_find", "clean"))
+        if near:
+            cluster = S.FirstSeenCluster(str(W / "minhash/buckets"), str(W / "minhash/remove"), bands, P,
+                                         [p.source_index for p in plan.pieces], str(W / "exact/dups") if exact else None)
+            out.append(Stage("dedup_cluster", [cluster], 1, logs / "dedup_cluster", "clean"))
+        filt = [S.RankReader(str(W / "filtered"))]
+        if exact:
+            filt.append(ExactDedupFilter(str(W / "exact/dups"), config=S.exact_config()))
+        if near:
+            filt.append(MinhashDedupFilter(str(W / "minhash/remove")))
+        filt += val_copy + [writer("deduped" if decon else DOCS)]
+        out.append(Stage("dedup", filt, P, logs / "dedup", "clean"))
+    if decon:
+        index = str(W / "decontam/index.npz")
+        out.append(Stage("decontam_index", [S.DecontamIndex(str(W / "val"), plan.language_of, index, cfg.decontam,
+                                                            plan.val_fraction, plan.eval_sources, cfg.normalize,
+                                                            plan.hf_cache)], 1, logs / "decontam_index", "clean"))
+        out.append(Stage("decontam", [S.RankReader(str(W / "deduped"), plan.language_of),
+                                      S.Decontaminate(index, str(W / "decontam/counts"), cfg.decontam, plan.val_fraction),
+                                      writer(DOCS)], P, logs / "decontam", "clean"))
+    out.append(Stage("clean_stats", [S.CleanStats(plan)], 1, logs / "clean_stats", "clean"))
+    return out
 
 
-def _init_decon(decon: Decontaminator) -> None:
-    _decon["d"] = decon
+def workers(num_proc) -> int:
+    """``data.num_proc``: how many tasks run at once, an integer or ``auto`` (this machine's cores)."""
+    if num_proc == "auto":
+        return os.cpu_count() or 1
+    if isinstance(num_proc, bool) or not isinstance(num_proc, int) or num_proc < 1:
+        raise ConfigError(f"data.num_proc={num_proc!r}: use a positive integer or auto")
+    return num_proc
 
 
-def _match(texts: list[str]) -> list[dict]:
-    d = _decon["d"]
-    return [d.matches(canonical_words(t)) for t in texts]
+# ---- running them ----------------------------------------------------------------------------
+_NULL: list = []  # one devnull stream, never closed: a handler a library binds to it while quiet stays valid
 
 
-def _jsonl(path: Path) -> Iterator[dict]:
-    with path.open(encoding="utf-8") as f:
-        for line in f:
-            yield json.loads(line)
+@contextlib.contextmanager
+def _quiet_datatrove(quiet: bool) -> Iterator[None]:
+    """datatrove logs every task to stderr (loguru) besides its own log files; a training run
+    keeps the console to its own summaries."""
+    if not quiet:
+        yield
+        return
+    import datasets.utils.logging
+    from loguru import logger
+
+    datasets.utils.logging.get_logger("datasets")  # its handler is made once: on the real stderr, not devnull
+    if not _NULL:
+        _NULL.append(open(os.devnull, "w"))
+    logger.remove()  # the handler datatrove adds at import holds the real stderr
+    with contextlib.redirect_stderr(_NULL[0]):
+        try:
+            yield
+        finally:
+            logger.remove()
+    logger.add(sys.stderr, level="WARNING")
 
 
-def read_clean(out_dir: str | os.PathLike, name: str) -> Iterator[str]:
-    """The kept documents of source ``name`` from a finished :func:`clean_sources` directory."""
-    for row in _jsonl(Path(out_dir) / f"{name}.jsonl"):
-        yield row["text"]
+@contextlib.contextmanager
+def _lock(plan: Plan) -> Iterator[None]:
+    """One builder of a plan at a time on this machine; a second waits, then finds it done."""
+    path = plan.cache_dir / "locks" / f"{plan.work_key}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
 
 
+def run_local(plan: Plan, workers: int = 1, quiet: bool = False,
+              on_group: Callable[[str, float], None] | None = None) -> None:
+    """Run what is missing of ``plan`` with datatrove's ``LocalPipelineExecutor``: ``workers``
+    tasks at a time (1: in this process). ``on_group(group, seconds)`` is called as the clean,
+    tokenizer and shard stages finish."""
+    import time
+
+    from datatrove.executor.local import LocalPipelineExecutor
+
+    with _lock(plan), _quiet_datatrove(quiet):
+        todo = stages(plan)
+        prev = None
+        timing: dict[str, float] = {}
+        for i, st in enumerate(todo):
+            t = time.perf_counter()
+            ex = LocalPipelineExecutor(st.pipeline, tasks=st.tasks, workers=max(1, min(workers, st.tasks)),
+                                       logging_dir=str(st.logging_dir), depends=prev)
+            ex.run()
+            prev = ex
+            timing[st.group] = timing.get(st.group, 0.0) + time.perf_counter() - t
+            if on_group is not None and (i + 1 == len(todo) or todo[i + 1].group != st.group):
+                on_group(st.group, timing[st.group])
+
+
+def launch_slurm(plan: Plan, cfg: dict) -> list[tuple[str, str, int]]:
+    """Submit what is missing of ``plan`` as SLURM job arrays (datatrove's
+    ``SlurmPipelineExecutor``), each stage's job depending on the one before (``afterok``).
+    ``cfg``: ``data.executor``. Returns (stage, job id, tasks) per submitted stage (job id
+    ``-1``: every task of that stage had already finished)."""
+    from datatrove.executor.slurm import SlurmPipelineExecutor
+
+    todo = stages(plan)
+    venv = Path(sys.prefix) / "bin" / "activate"
+    env_command = cfg.get("env_command") or (f"source {venv}" if venv.is_file() else None)
+    executors = []
+    prev = None
+    for st in todo:
+        ex = SlurmPipelineExecutor(
+            st.pipeline, tasks=st.tasks, time=str(cfg["time"]), partition=cfg["partition"],
+            cpus_per_task=int(cfg.get("cpus_per_task", 1)), mem_per_cpu_gb=int(cfg.get("mem_per_cpu_gb", 2)),
+            job_name=f"{cfg.get('job_name', 'bnlit')}-{st.name}", qos=cfg.get("qos") or "",
+            env_command=env_command, logging_dir=str(st.logging_dir), depends=prev,
+            sbatch_args=dict(cfg.get("sbatch_args") or {}), max_array_size=int(cfg.get("max_array_size", 1001)),
+            workers=int(cfg.get("workers") or -1), mail_user=cfg.get("mail_user"))
+        executors.append((st, ex))
+        prev = ex
+    if executors:
+        try:
+            executors[-1][1].run()  # launches its dependencies first
+        except subprocess.CalledProcessError as e:
+            raise ConfigError(f"sbatch refused a job of the data build (exit {e.returncode}; its message is above); "
+                              "check data.executor.partition, time, mem_per_cpu_gb and sbatch_args") from None
+    return [(st.name, str(ex.job_id), st.tasks) for st, ex in executors]
+
+
+# ---- reading the results ---------------------------------------------------------------------
 def load_stats(out_dir: str | os.PathLike) -> dict | None:
     path = Path(out_dir) / STATS_FILE
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def clean_sources(
-    out_dir: str | os.PathLike,
-    sources: list[tuple[str, str, Iterable[str]]],
-    cfg: CleanConfig,
-    val_fraction: float,
-    eval_sets: dict[str, Iterable[str]] | None = None,
-    num_proc: int = 1,
-    total_bytes: int | None = None,
-) -> dict:
-    """Clean ``sources`` (name, language, documents) into ``out_dir`` unless already done;
-    returns the stats (also in ``out_dir/stats.json``). ``total_bytes``: the UTF-8 size of the
-    input, if known, for the progress bar's ETA."""
-    out_dir = Path(out_dir)
-    done = load_stats(out_dir)
-    if done is not None:
-        return done
-    tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    pool = mp.get_context("spawn").Pool(num_proc) if num_proc > 1 else None
-    try:
-        stats = _clean(tmp, sources, cfg, val_fraction, eval_sets or {}, pool, num_proc, total_bytes)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    finally:
-        if pool is not None:
-            pool.close()
-            pool.join()
-    for name, st in stats["sources"].items():
-        log.info("clean %s: kept %d of %d documents (filters %s, dedup exact %d near %d, decontam %d)", name,
-                 st["kept_docs"], st["input_docs"], st["filters"]["docs"] or "{}", st["dedup"]["exact"],
-                 st["dedup"]["near"], st["decontam"]["docs"])
-    (tmp / STATS_FILE).write_text(json.dumps(stats, indent=2))
-    try:
-        os.replace(tmp, out_dir)
-    except OSError:  # another process finished first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return load_stats(out_dir)
+def read_clean(out_dir: str | os.PathLike, name: str) -> Iterator[str]:
+    """The kept documents of source ``name`` from a finished cleaning directory, in order."""
+    import orjson
 
-
-def _clean(tmp: Path, sources, cfg: CleanConfig, val_fraction: float, eval_sets, pool, num_proc: int,
-           total_bytes: int | None = None) -> dict:
-    dedup = Deduplicator(cfg.dedup)
-    dc = cfg.decontam
-    decon = Decontaminator(dc.ngram, dc.min_overlap) if dc.enabled else None
-    per_source: dict[str, dict] = {}
-    chunk_chars = CHUNK_CHARS // max(1, num_proc)
-    # pass 1: normalise, filter, dedup, split; validation texts go into the evaluation index
-    bar = progress.bar("clean: normalise, filter, dedup", total=total_bytes, unit="B", unit_scale=True)
-    for name, language, docs in sources:
-        fstats = F.FilterStats()
-        s = per_source[name] = {"language": language, "input_docs": 0, "input_chars": 0, "normalized_changed": 0}
-        raw_chunks: deque = deque()
-
-        def tasks(docs=docs, language=language):
-            for chunk in char_chunks(docs, chunk_chars):
-                raw_chunks.append(chunk)
-                yield chunk, language, cfg
-
-        with (tmp / f"{name}.pass1.jsonl").open("w", encoding="utf-8") as f:
-            for results in ordered_map(_prepare, tasks(), pool):
-                for original, (text, reason, key, sig) in zip(raw_chunks.popleft(), results):
-                    bar.update(len(original.encode("utf-8")))
-                    s["input_docs"] += 1
-                    s["input_chars"] += len(original)
-                    s["normalized_changed"] += text != original
-                    if reason is not None:
-                        fstats.add(reason, len(text))
-                        continue
-                    if dedup.check(name, key, sig, len(text)) is not None:
-                        continue
-                    val = is_validation(text, val_fraction)
-                    if val and decon is not None and dc.against_validation:
-                        decon.add(f"val/{language}", text)
-                    f.write(json.dumps({"text": text, "val": val}, ensure_ascii=False) + "\n")
-        s["filters"] = fstats.to_dict()
-    bar.close()
-    decon_pool = None
-    if decon is not None:
-        for set_name, texts in eval_sets.items():
-            for t in texts:
-                decon.add(set_name, normalize_text(t) if cfg.normalize else t)
-        decon.freeze()
-        if num_proc > 1:
-            decon_pool = mp.get_context("spawn").Pool(num_proc, initializer=_init_decon, initargs=(decon,))
-        else:
-            _init_decon(decon)
-    # pass 2: decontaminate the training documents, write the kept documents in order
-    bar = progress.bar("clean: decontaminate", total=sum(dedup_kept(tmp, n) for n, _, _ in sources))
-    try:
-        for name, _, _ in sources:
-            _pass2(tmp, name, per_source[name], decon, dc, decon_pool, chunk_chars, bar)
-    finally:
-        bar.close()
-        if decon_pool is not None:
-            decon_pool.close()
-            decon_pool.join()
-    for name, s in per_source.items():
-        s["dedup"] = {k: v.get(name, 0) for k, v in dedup.stats.to_dict().items()}
-    return {
-        "config": cfg.to_dict(),
-        "val_fraction": val_fraction,
-        "sources": per_source,
-        "decontam": decon.summary() if decon is not None else {},
-        # every training document sharing an n-gram with validation text was removed
-        "validation_decontaminated": bool(decon is not None and dc.against_validation and dc.mode == "drop"),
-    }
-
-
-def dedup_kept(tmp: Path, name: str) -> int:
-    """Documents of source ``name`` that passed pass 1 (lines of its pass-1 file)."""
-    with (tmp / f"{name}.pass1.jsonl").open("rb") as f:
-        return sum(1 for _ in f)
-
-
-def _pass2(tmp: Path, name: str, s: dict, decon, dc: DecontamConfig, pool, chunk_chars: int, bar=None) -> None:
-    s.update(kept_docs=0, kept_chars=0, decontam={"docs": 0, "chars": 0, "by_set": {}})
-    src = tmp / f"{name}.pass1.jsonl"
-    with (tmp / f"{name}.jsonl").open("w", encoding="utf-8") as f:
-        for row, hits in _decontaminate(src, decon, pool, chunk_chars):
-            if bar is not None:
-                bar.update()
-            if hits:
-                s["decontam"]["docs"] += 1
-                s["decontam"]["chars"] += len(row["text"])
-                for h in hits:
-                    s["decontam"]["by_set"][h] = s["decontam"]["by_set"].get(h, 0) + 1
-                if dc.mode == "drop":
-                    continue
-            f.write(json.dumps({"text": row["text"]}, ensure_ascii=False) + "\n")
-            s["kept_docs"] += 1
-            s["kept_chars"] += len(row["text"])
-    src.unlink()
-
-
-def _decontaminate(path: Path, decon: Decontaminator | None, pool, chunk_chars: int):
-    """Yield (row, [evaluation sets it is contaminated with]) for the rows of ``path``;
-    validation rows are never checked (workers hold ``decon``, see ``_init_decon``)."""
-    if decon is None:
-        for row in _jsonl(path):
-            yield row, []
-        return
-    train = char_chunks((r["text"] for r in _jsonl(path) if not r["val"]), chunk_chars)
-    results = (m for ms in ordered_map(_match, train, pool) for m in ms)
-    for row in _jsonl(path):
-        if row["val"]:
-            yield row, []
-            continue
-        yield row, decon.record(next(results), len(row["text"]))
+    stats = load_stats(out_dir)
+    if stats is None or name not in stats["pieces"]:
+        raise FileNotFoundError(f"{out_dir}: no finished cleaning of source {name!r}")
+    for rank in stats["pieces"][name]:
+        path = Path(out_dir) / DOCS / f"{rank:05d}.jsonl"
+        if path.is_file():
+            with path.open("rb") as f:
+                for line in f:
+                    yield orjson.loads(line)["text"]

@@ -1,9 +1,10 @@
 """The per-build data report: what went into the shards and what was dropped on the way.
 
 ``build_report`` combines the shard index (documents, characters, tokens per source and split)
-with the cleaning stats of :func:`bnlit.data.pipeline.clean_sources` (filters, dedup,
-decontamination). ``write_report`` puts ``data_report.json`` and ``data_report.md`` in the run
-directory; ``log_report`` sends its tables through :func:`bnlit.loggers.log_table` (W&B and
+with the cleaning statistics of the data build (``stats.json`` of bnlit/data/pipeline.py: filters,
+dedup, decontamination, and documents and characters into and out of each stage). ``write_report``
+puts ``data_report.json`` and ``data_report.md`` in the run directory; ``log_report`` sends its
+tables through :func:`bnlit.loggers.log_table` (W&B and
 ``<run dir>/tables/``). Evaluation tools read ``validation_decontaminated`` from the JSON: true
 when every training document sharing enough n-grams with the validation text was removed.
 """
@@ -58,6 +59,8 @@ def build_report(index: dict, clean: dict | None, shard_dir: str | os.PathLike |
         "sources": sources,
         "decontam": clean["decontam"] if clean else {},
         "validation_decontaminated": bool(clean and clean.get("validation_decontaminated")),
+        # documents and characters into and out of each cleaning stage (datatrove's statistics)
+        "stages": clean.get("stages", []) if clean else [],
     }
 
 
@@ -86,6 +89,11 @@ def dropped_rows(report: dict) -> list[list]:
     return rows
 
 
+def stage_rows(report: dict) -> list[list]:
+    return [[r["stage"], r["docs_in"], r["chars_in"], r["docs_out"], r["chars_out"], r.get("clusters"),
+             round(r["seconds"], 2)] for r in report.get("stages", [])]
+
+
 def language_rows(report: dict) -> list[list]:
     return [[lang, split, e["docs"], e["chars"], e["tokens"], round(e["chars_per_token"], 3)]
             for lang, splits in report["languages"].items() for split, e in splits.items()]
@@ -97,6 +105,7 @@ def decontam_rows(report: dict) -> list[list]:
             for name, s in report["decontam"].items()]
 
 
+STAGE_COLUMNS = ["stage", "docs_in", "chars_in", "docs_out", "chars_out", "duplicate_clusters", "seconds"]
 LANGUAGE_COLUMNS = ["language", "split", "docs", "chars", "tokens", "chars_per_token"]
 DROPPED_COLUMNS = ["source", "stage", "reason", "docs", "chars"]
 DECONTAM_COLUMNS = ["eval_set", "docs", "too_short", "contaminated", "contamination_rate", "touched",
@@ -120,6 +129,7 @@ def to_markdown(report: dict) -> str:
              _md_table(["source", "input_docs", "input_chars", "train_docs", "val_docs", "kept_chars"],
                        [[n, s.get("input", {}).get("docs"), s.get("input", {}).get("chars"), s["train"]["docs"],
                          s["val"]["docs"], s["train"]["chars"] + s["val"]["chars"]] for n, s in report["sources"].items()]),
+             "## Cleaning stages\n", _md_table(STAGE_COLUMNS, stage_rows(report)),
              "## Dropped\n", _md_table(DROPPED_COLUMNS, dropped_rows(report)),
              "## Decontamination, per evaluation set\n", _md_table(DECONTAM_COLUMNS, decontam_rows(report))]
     return "\n".join(parts)
@@ -137,6 +147,8 @@ def log_report(trainer, report: dict) -> None:
 
     log_table(trainer, "data/languages", LANGUAGE_COLUMNS, language_rows(report))
     log_table(trainer, "data/dropped", DROPPED_COLUMNS, dropped_rows(report))
+    if report.get("stages"):
+        log_table(trainer, "data/stages", STAGE_COLUMNS, stage_rows(report))
     if report["decontam"]:
         log_table(trainer, "data/decontam", DECONTAM_COLUMNS, decontam_rows(report))
 

@@ -69,6 +69,19 @@ class Source:
         return {k: v for k, v in asdict(self).items() if k != "field" and not (k == "hub_data_dir" and v is None)}
 
 
+@dataclass
+class Piece:
+    """One task's share of a source: contiguous slice ``index`` of ``of`` (rows of a local file or
+    an in-memory hub dataset; whole data files of a streamed one), ``source_index`` its position
+    in ``data.sources``."""
+
+    source: Source
+    path: Path | None
+    source_index: int
+    index: int = 0
+    of: int = 1
+
+
 def fingerprint(source: Source, resolved_path: Path | None) -> str:
     """Content hash of a local file, or the identity of a hub dataset; shards are rebuilt when it
     changes."""
@@ -90,8 +103,63 @@ def hub_reachable(timeout: float = 3.0) -> bool:
         return False
 
 
-def iter_documents(source: Source, resolved_path: Path | None, cache_dir: str | None = None) -> Iterator[str]:
-    """Yield the non-empty documents of ``source`` in a stable order."""
+def iter_documents(source: Source, resolved_path: Path | None, cache_dir: str | None = None,
+                   piece: int = 0, pieces: int = 1) -> Iterator[str]:
+    """Yield the non-empty documents of ``source`` in a stable order; with ``pieces`` > 1 only
+    those of contiguous slice ``piece`` (:class:`Piece`), so the slices in order are the whole
+    source in order."""
+    if pieces > 1 and source.max_docs is not None:
+        raise DataError(f"{source.field}.max_docs={source.max_docs}: a capped source is read by one task")
+    ds = open_dataset(source, resolved_path, cache_dir)
+    if source.text_field not in (ds.column_names or [source.text_field]):
+        raise DataError(f"{source.field}.text_field={source.text_field!r}: not a column of "
+                        f"{source.path or source.hub_id}; columns are {ds.column_names}")
+    ds = _slice(ds, piece, pieces)
+    n = 0
+    for i, row in enumerate(ds or (), 1):
+        text = row[source.text_field]
+        if text is not None and not isinstance(text, str):
+            raise DataError(f"{source.field}: row {i} of {source.path or source.hub_id}: {source.text_field!r} is "
+                            f"{type(text).__name__} ({str(text)[:40]}), not a string; fix that row or choose another text_field")
+        if text and text.strip():
+            yield text
+            n += 1
+            if source.max_docs is not None and n >= source.max_docs:
+                return
+    if n == 0 and pieces == 1:
+        raise DataError(f"{source.field}: {source.path or source.hub_id} holds no text in "
+                        f"field {source.text_field!r}; point it at a file with documents")
+
+
+def _slice(ds, piece: int, pieces: int):
+    """Contiguous slice ``piece`` of ``pieces``: rows of a map-style dataset, data files of a
+    streamed one (None when it has fewer files than pieces and this slice gets none)."""
+    if pieces == 1:
+        return ds
+    import datasets
+
+    if isinstance(ds, datasets.Dataset):
+        n = ds.num_rows
+        return ds.select(range(n * piece // pieces, n * (piece + 1) // pieces))
+    if ds.n_shards < pieces:  # a streamed dataset splits by file
+        return ds if piece == 0 else None
+    return ds.shard(num_shards=pieces, index=piece, contiguous=True)
+
+
+def source_pieces(source: Source, resolved_path: Path | None, cache_dir: str | None, pieces: int) -> int:
+    """How many slices ``source`` is read in: ``pieces``, or 1 for a capped source
+    (``max_docs``: only one reader knows where the first N documents end) or a streamed one
+    with a single data file."""
+    if pieces == 1 or source.max_docs is not None:
+        return 1
+    if resolved_path is None and source.streaming:
+        return max(1, min(pieces, open_dataset(source, resolved_path, cache_dir).n_shards))
+    return pieces
+
+
+def open_dataset(source: Source, resolved_path: Path | None, cache_dir: str | None = None):
+    """``source`` as a ``datasets`` dataset (a streamed one for a streaming hub source); a bad
+    file or an unreachable hub is one :class:`DataError` naming the field and the fix."""
     import datasets
 
     datasets.disable_progress_bars()
@@ -121,23 +189,7 @@ def iter_documents(source: Source, resolved_path: Path | None, cache_dir: str | 
     except Exception as e:  # datasets raises many types; name the source and keep one line
         raise DataError(f"{source.field}: cannot read {source.path or source.hub_id}: "
                         f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
-    if source.text_field not in (ds.column_names or [source.text_field]):
-        raise DataError(f"{source.field}.text_field={source.text_field!r}: not a column of "
-                        f"{source.path or source.hub_id}; columns are {ds.column_names}")
-    n = 0
-    for i, row in enumerate(ds, 1):
-        text = row[source.text_field]
-        if text is not None and not isinstance(text, str):
-            raise DataError(f"{source.field}: row {i} of {source.path or source.hub_id}: {source.text_field!r} is "
-                            f"{type(text).__name__} ({str(text)[:40]}), not a string; fix that row or choose another text_field")
-        if text and text.strip():
-            yield text
-            n += 1
-            if source.max_docs is not None and n >= source.max_docs:
-                return
-    if n == 0:
-        raise DataError(f"{source.field}: {source.path or source.hub_id} holds no text in "
-                        f"field {source.text_field!r}; point it at a file with documents")
+    return ds
 
 
 def _load_hub(source: Source, cache_dir: str | None):

@@ -296,7 +296,8 @@ class TwinSettings:
             ``None`` scores the whole slice.
         every_n_validations: score the trained model at every n-th validation (0: only at the end).
         seed: the twin's init seed.
-        batch_size: windows per forward.
+        batch_size: windows per forward; None: the data module's micro-batch (every forward is
+            padded to it and the sequence length: a compiled model reuses validation's graph).
         init_tolerance: warn when the twin's NLL is further than this (relative) from ln(V).
         learning_after_steps: from this step on, warn when the trained model is not below its twin or
             its unigram (the default run is at the unigram's level at step 100: 3.534 vs 3.525 bits/char).
@@ -309,7 +310,7 @@ class TwinSettings:
     max_tokens: int | None = 16384
     every_n_validations: int = 1
     seed: int = 1234
-    batch_size: int = 8
+    batch_size: int | None = None
     init_tolerance: float = 0.15
     learning_after_steps: int = 200
     languages: Sequence[str] | None = None
@@ -319,8 +320,8 @@ class TwinSettings:
     def __post_init__(self):
         if self.max_tokens is not None and self.max_tokens < 2:
             raise ConfigError(f"callbacks.random_twin.max_tokens={self.max_tokens}: must be >= 2 or null (whole slice)")
-        if self.every_n_validations < 0 or self.batch_size < 1 or self.init_tolerance <= 0:
-            raise ConfigError("callbacks.random_twin: every_n_validations must be >= 0, batch_size >= 1 "
+        if self.every_n_validations < 0 or (self.batch_size or 1) < 1 or self.init_tolerance <= 0:
+            raise ConfigError("callbacks.random_twin: every_n_validations must be >= 0, batch_size >= 1 or null "
                               "and init_tolerance > 0")
         self.languages = list(self.languages) if self.languages else None
 

@@ -35,6 +35,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from bnlit.document_masking import document_mask
 from bnlit.errors import DataError
 
 
@@ -94,35 +95,58 @@ def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], 
 def continuation_logprob(model: nn.Module, context_ids: list[int], continuation_ids: list[int],
                          eos_id: int, max_len: int) -> float:
     """Sum of log p(continuation | eos, context), the context cut from the left to fit ``max_len``."""
-    if not continuation_ids:
-        return 0.0
-    ids = ([eos_id] + list(context_ids) + list(continuation_ids))[-(max_len + 1):]
+    return continuation_logprobs(model, [(context_ids, continuation_ids)], eos_id, max_len, batch_size=1)[0]
+
+
+@torch.no_grad()
+def continuation_logprobs(model: nn.Module, pairs: list[tuple[list[int], list[int]]], eos_id: int, max_len: int,
+                          batch_size: int = 8, masked: bool = False) -> list[float]:
+    """:func:`continuation_logprob` of each ``(context_ids, continuation_ids)``, ``batch_size`` at a
+    time, every forward exactly ``(batch_size, max_len)``: each row is padded on the right (causal
+    attention never lets the scored positions see the padding) and a short batch with empty rows,
+    so a compiled model reuses validation's graph instead of compiling one per length. ``masked``:
+    pass the document mask as training does (``model(x, mask=...)``; one document per row, so the
+    same scores as causal attention, through the same compiled graph as validation)."""
     device = next(model.parameters()).device
-    x = torch.tensor(ids[:-1], device=device)[None]
-    logp = F.log_softmax(model(x)[0].float(), dim=-1)
-    n = len(continuation_ids)
-    targets = torch.tensor(ids[-n:], device=device)
-    return float(logp[-n:].gather(1, targets[:, None]).sum())
+    out = []
+    for i in range(0, len(pairs), batch_size):
+        chunk = pairs[i:i + batch_size]
+        x = torch.zeros(batch_size, max_len, dtype=torch.long)
+        rows = []
+        for j, (ctx, cont) in enumerate(chunk):
+            ids = ([eos_id] + list(ctx) + list(cont))[-(max_len + 1):]
+            x[j, :len(ids) - 1] = torch.tensor(ids[:-1])
+            rows.append((len(ids) - 1, ids[-len(cont):] if cont else []))
+        x = x.to(device)
+        logits = model(x, mask=document_mask(x, eos_id)) if masked else model(x)
+        for j, (n, targets) in enumerate(rows):
+            if not targets:
+                out.append(0.0)
+                continue
+            logp = F.log_softmax(logits[j, n - len(targets):n].float(), dim=-1)
+            out.append(float(logp.gather(1, torch.tensor(targets, device=device)[:, None]).sum()))
+    return out
 
 
-def score_items(model: nn.Module, tokenizer, items: list[MultipleChoiceItem], max_len: int) -> dict:
+def score_items(model: nn.Module, tokenizer, items: list[MultipleChoiceItem], max_len: int,
+                batch_size: int = 8, masked: bool = False) -> dict:
     """``acc`` (sum log-likelihood), ``acc_norm`` (per character of the choice), ``chance`` (mean
-    of 1/#choices) and the per-item predictions. The model's mode is restored afterwards."""
+    of 1/#choices) and the per-item predictions. The model's mode is restored afterwards; every
+    forward is ``(batch_size, max_len)`` (:func:`continuation_logprobs`)."""
     was_training = model.training
     model.eval()
-    preds, preds_norm = [], []
+    pairs = [encode_pair(tokenizer, it.context, choice) for it in items for choice in it.choices]
     try:
-        for it in items:
-            lls, norms = [], []
-            for choice in it.choices:
-                ctx, cont = encode_pair(tokenizer, it.context, choice)
-                ll = continuation_logprob(model, ctx, cont, tokenizer.eos_id, max_len)
-                lls.append(ll)
-                norms.append(ll / len(choice))
-            preds.append(max(range(len(lls)), key=lls.__getitem__))
-            preds_norm.append(max(range(len(norms)), key=norms.__getitem__))
+        lls = continuation_logprobs(model, pairs, tokenizer.eos_id, max_len, batch_size, masked)
     finally:
         model.train(was_training)
+    preds, preds_norm, k = [], [], 0
+    for it in items:
+        ll = lls[k:k + len(it.choices)]
+        k += len(it.choices)
+        norms = [v / len(choice) for v, choice in zip(ll, it.choices)]
+        preds.append(max(range(len(ll)), key=ll.__getitem__))
+        preds_norm.append(max(range(len(norms)), key=norms.__getitem__))
     n = len(items)
     return {
         "n": n,
@@ -133,7 +157,8 @@ def score_items(model: nn.Module, tokenizer, items: list[MultipleChoiceItem], ma
     }
 
 
-def score_tasks(model, tokenizer, tasks: dict[str, list], max_len: int, context=None) -> tuple[dict[str, dict], dict[str, float]]:
+def score_tasks(model, tokenizer, tasks: dict[str, list], max_len: int, context=None,
+                batch_size: int = 8, masked: bool = False) -> tuple[dict[str, dict], dict[str, float]]:
     """:func:`score_items` for each task (without predictions) and the ``multiple_choice/`` metrics,
     under ``context`` (e.g. the precision plugin's autocast) and ``fork_rng``: training is untouched."""
     device = next(model.parameters()).device
@@ -141,7 +166,7 @@ def score_tasks(model, tokenizer, tasks: dict[str, list], max_len: int, context=
     with torch.random.fork_rng(devices=[device.index] if device.type == "cuda" else []), \
             (context or contextlib.nullcontext()):
         for name, items in tasks.items():
-            r = score_items(model, tokenizer, items, max_len)
+            r = score_items(model, tokenizer, items, max_len, batch_size, masked)
             r.pop("predictions")
             results[name] = r
             metrics |= {f"multiple_choice/{name}_{k}": r[k] for k in ("acc_norm", "acc", "chance")}

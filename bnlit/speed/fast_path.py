@@ -1,6 +1,6 @@
 """The one line that says which fast path a run is really on, e.g.
 
-``fast path: bf16-mixed autocast, torch.compile(fullgraph) x2 blocks, fused AdamW, sdpa=flash,
+``fast path: bf16-mixed autocast, torch.compile(fullgraph) x2 blocks + loss, fused AdamW, sdpa=flash,
 attention=sdpa:flash (causal), loss=chunked, strategy=fsdp2(16, nccl), mesh=2x8 (replicate x shard),
 all-gather=bf16, reduce-scatter=fp32, accumulate=16, workers=4 (prefetch 4, pinned)``
 
@@ -35,12 +35,15 @@ def precision_part(plugin) -> str:
 
 def compile_part(model: nn.Module, fullgraph: bool) -> str:
     """``torch.compile`` state from the modules themselves (``nn.Module.compile`` sets
-    ``_compiled_call_impl``): the whole model, N submodules (FSDP2 compiles per block) or eager."""
+    ``_compiled_call_impl``): the whole model, or N blocks and the loss (``bnlit.speed.compile``), or eager."""
+    from bnlit.speed.compile import is_compiled
+
     graph = "(fullgraph)" if fullgraph else ""
-    if getattr(model, "_compiled_call_impl", None) is not None or isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+    if is_compiled(model):
         return f"torch.compile{graph}"
     n = sum(1 for m in model.modules() if getattr(m, "_compiled_call_impl", None) is not None)
-    return f"torch.compile{graph} x{n} blocks" if n else "eager (no torch.compile)"
+    loss = " + loss" if is_compiled(getattr(model, "loss_fn", None)) else ""
+    return f"torch.compile{graph} x{n} blocks{loss}" if n else "eager (no torch.compile)"
 
 
 def optimizer_part(optimizer: torch.optim.Optimizer) -> str:

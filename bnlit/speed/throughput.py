@@ -16,8 +16,10 @@ has no MFU floor.)
 Logged on rank zero, per device and in total (world size x rank zero's rate: DDP ranks step in
 lockstep): :func:`throughput_metrics` -- ``throughput/tokens_per_s``, ``throughput/samples_per_s``,
 ``throughput/tflops`` (and ``*_per_device``), ``throughput/mfu`` (percent of
-``throughput/peak_tflops``, with ``throughput/peak_measured`` 1.0 for a measured matmul peak rather
-than a datasheet figure), ``throughput/step_ms``, ``throughput/data_wait_pct`` (share of wall time
+``throughput/peak_tflops``, PaLM's convention: the full attention matrix; with
+``throughput/peak_measured`` 1.0 for a measured matmul peak rather than a datasheet figure),
+``throughput/hfu`` and ``throughput/hardware_tflops`` (the FLOPs the causal and document masks
+leave, and activation checkpointing's recompute: :mod:`bnlit.flops`), ``throughput/step_ms``, ``throughput/data_wait_pct`` (share of wall time
 between a batch's end and the next one's start: the loader, host-to-device copy and loop
 bookkeeping), and ``memory/peak_gib`` on CUDA or ``memory/peak_rss_gib`` on CPU.
 
@@ -269,6 +271,23 @@ def throughput_metrics(stats: dict, peak: "Peak | None", has_flops: bool) -> dic
         metrics["throughput/peak_tflops"] = peak.flops / 1e12
         metrics["throughput/peak_measured"] = float(peak.measured)
     return metrics
+
+
+def hardware_metrics(records, pairs: float, cfg, activation_checkpointing: bool, peak: "Peak | None",
+                     world_size: int = 1) -> dict[str, float]:
+    """``throughput/hfu`` (percent) and ``throughput/hardware_tflops`` (total): the FLOPs the
+    hardware does over ``records`` given the ``pairs`` of (query, key) its attention computed
+    (``bnlit.speed.flops.hardware_flops``: causal and document masks, activation checkpointing), beside
+    PaLM's ``throughput/mfu`` that counts the full attention matrix."""
+    from bnlit.speed.flops import hardware_flops
+
+    records = list(records)
+    elapsed = sum(r.elapsed_s for r in records)
+    flops_per_s = hardware_flops(cfg, sum(r.tokens for r in records), pairs, activation_checkpointing) / elapsed
+    out = {"throughput/hardware_tflops": world_size * flops_per_s / 1e12}
+    if peak is not None:
+        out["throughput/hfu"] = 100.0 * flops_per_s / peak.flops
+    return out
 
 
 def low_mfu_message(stats: dict, floor: float, step: int, peak: "Peak") -> str:

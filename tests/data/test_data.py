@@ -6,10 +6,12 @@ import pytest
 from bnlit.data import embedded
 from bnlit.data.dataset import MixtureSampler, PackedWindows, epoch_order, mixture_counts
 from bnlit.data import shards
-from bnlit.data.shards import build_shards, is_validation, load_index, read_tokens, verify_index
+from bnlit.data.pipeline import run_local, stages
+from bnlit.data.shards import is_validation, load_index, read_tokens, verify_index
 from bnlit.data.sources import Source, check_text_file, iter_documents
 from bnlit.errors import DataError
 from bnlit.tokenizer import Tokenizer, train_tokenizer
+from helpers_data import plan_build
 
 
 @pytest.fixture(scope="module")
@@ -22,9 +24,15 @@ def docs_of(n: int) -> list[str]:
     return embedded.bangla_documents()[:n]
 
 
+def build(tmp_path, corpus, tok, val_fraction, **kw):
+    plan = plan_build(tmp_path, corpus, tok.path, val_fraction, **kw)
+    run_local(plan, quiet=True)
+    return plan.shard_dir()
+
+
 def test_shard_roundtrip_equals_tokenizer_output(tok, tmp_path):
     bn, en = docs_of(6), embedded.english_documents()[:15]
-    out = build_shards(tmp_path, [("bn", "bn", bn), ("en", "en", en)], ["a", "b"], tok, val_fraction=0.2, num_proc=2)
+    out = build(tmp_path, [("bn", "bn", bn), ("en", "en", en)], tok, 0.2, tasks=2)
     index = load_index(out)
     for name, docs in (("bn", bn), ("en", en)):
         for split in ("train", "val"):
@@ -38,16 +46,17 @@ def test_shard_roundtrip_equals_tokenizer_output(tok, tmp_path):
 
 def test_shards_are_reused_and_rebuilt_when_inputs_change(tok, tmp_path):
     docs = docs_of(3)
-    a = build_shards(tmp_path, [("bn", "bn", docs)], ["fp1"], tok, 0.1)
+    a = build(tmp_path, [("bn", "bn", docs)], tok, 0.1)
     mtime = (a / "index.json").stat().st_mtime_ns
-    again = build_shards(tmp_path, [("bn", "bn", iter(()))], ["fp1"], tok, 0.1)  # cached: docs unused
-    assert again == a and (a / "index.json").stat().st_mtime_ns == mtime
-    b = build_shards(tmp_path, [("bn", "bn", docs)], ["fp2"], tok, 0.1)
+    plan = plan_build(tmp_path, [("bn", "bn", docs)], tok.path, 0.1)
+    assert stages(plan) == []  # nothing left to run: the cached shards are read
+    assert build(tmp_path, [("bn", "bn", docs)], tok, 0.1) == a and (a / "index.json").stat().st_mtime_ns == mtime
+    b = build(tmp_path, [("bn", "bn", docs[:2])], tok, 0.1)  # a changed file is a new fingerprint
     assert b != a
 
 
 def test_index_that_does_not_match_its_data_file_is_refused(tok, tmp_path):
-    out = build_shards(tmp_path, [("bn", "bn", docs_of(2))], ["x"], tok, 0.1)
+    out = build(tmp_path, [("bn", "bn", docs_of(2))], tok, 0.1)
     with open(out / "bn.train.bin", "ab") as f:
         f.write(b"\0\0")
     with pytest.raises(DataError, match="does not match its index"):
@@ -56,7 +65,7 @@ def test_index_that_does_not_match_its_data_file_is_refused(tok, tmp_path):
 
 def test_index_records_block_checksums_and_a_changed_byte_is_named(tok, tmp_path, monkeypatch):
     monkeypatch.setattr(shards, "BLOCK_BYTES", 1000)  # several blocks per file
-    out = build_shards(tmp_path, [("bn", "bn", docs_of(4))], ["x"], tok, 0.1)
+    out = build(tmp_path, [("bn", "bn", docs_of(4))], tok, 0.1)
     index = load_index(out, verify=True)
     entry = index["sources"]["bn"]["train"]
     size = (out / "bn.train.bin").stat().st_size
@@ -75,7 +84,7 @@ def test_index_records_block_checksums_and_a_changed_byte_is_named(tok, tmp_path
 
 
 def test_index_without_checksums_is_refused_with_the_fix(tok, tmp_path):
-    out = build_shards(tmp_path, [("bn", "bn", docs_of(2))], ["x"], tok, 0.1)
+    out = build(tmp_path, [("bn", "bn", docs_of(2))], tok, 0.1)
     index = json.loads((out / "index.json").read_text())
     del index["checksum"]
     index["version"] = 1

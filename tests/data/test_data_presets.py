@@ -6,6 +6,7 @@ import pytest
 from hydra.utils import instantiate
 from omegaconf import open_dict
 
+from bnlit.data.pipeline import read_clean
 from bnlit.data.shards import is_validation
 from bnlit.errors import DataError
 from helpers_data import document
@@ -106,7 +107,7 @@ def test_an_evaluation_file_is_checked_against_the_runs_training_text(make_cfg, 
     assert report["sources"]["en"]["dropped"]["decontam"]["by_set"]["eval/bench"] == 1
     assert report["decontam"]["eval/bench"]["docs"] == 2
     assert validation_decontaminated(run) is True and validation_decontaminated(tmp_path) is None
-    kept = set(dm._documents(dm.sources[0], None))
+    kept = set(read_clean(dm.clean_dir, dm.sources[0].name))
     train_doc = next(t for t in bn if t in kept and not is_validation(t, cfg.data.val_fraction))
     copied = " ".join(train_doc.split()[5:40])
     r = check_against_training([copied, document(777)], run)

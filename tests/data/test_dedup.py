@@ -1,35 +1,41 @@
-from bnlit.data.dedup import DedupConfig, canonical_words, deduplicate, exact_key
-from helpers_data import document
+from datasketch import MinHashLSH
 
-
-def near_copy(text: str) -> str:
-    """The same document with one word changed and different punctuation and spacing."""
-    words = text.split()
-    words[len(words) // 2] = "পরিবর্তন"
-    return "  ".join(words).replace("।", "!")
-
-
-def test_exact_and_near_duplicates_are_removed_within_and_across_sources():
-    a = [document(i) for i in range(12)]
-    b = [document(100 + i) for i in range(6)]
-    docs = [("a", t) for t in a]
-    docs += [("a", a[0]), ("a", "  " + a[1].upper().replace("।", " । "))]  # exact (canonically) within a
-    docs += [("a", near_copy(a[2]))]  # near within a
-    docs += [("b", t) for t in b]
-    docs += [("b", a[3]), ("b", near_copy(a[4]))]  # exact and near across sources
-    kept, stats = deduplicate(docs, DedupConfig())
-    assert kept == [("a", t) for t in a] + [("b", t) for t in b]  # every distinct document stays, first copy wins
-    assert dict(stats.exact) == {"a": 2, "b": 1} and dict(stats.near) == {"a": 1, "b": 1}
-    assert dict(stats.exact_cross) == {"b": 1} and dict(stats.near_cross) == {"b": 1}
-    assert stats.chars["b"] == len(a[3]) + len(near_copy(a[4]))
-
-
-def test_switching_near_off_keeps_near_copies():
-    a = document(1)
-    kept, stats = deduplicate([("a", a), ("a", near_copy(a)), ("a", a)], DedupConfig(near=False))
-    assert [t for _, t in kept] == [a, near_copy(a)] and dict(stats.exact) == {"a": 1}
+from bnlit.data.dedup import DedupConfig, canonical_words, lsh_bands, signature
+from helpers_data import document, near_copy
 
 
 def test_canonical_words_ignore_case_punctuation_and_spacing():
     assert canonical_words("Hello,  World! আমি। ভাত") == ["hello", "world", "আমি", "ভাত"]
-    assert exact_key(canonical_words("A b.")) == exact_key(canonical_words("a  B"))
+    assert canonical_words("A b.") == canonical_words("a  B")
+
+
+def test_minhash_values_equal_datasketch_affine32():
+    import xxhash
+    from datasketch import MinHash
+
+    from bnlit.data.dedup import shingles
+
+    for text in (document(1), "এক দুই", "one"):
+        ws = canonical_words(text)
+        m = MinHash(num_perm=128, seed=1, hashfunc=xxhash.xxh32_intdigest, scheme="affine32")
+        m.update_batch(shingles(ws, 5))
+        assert (signature(ws, DedupConfig()) == m.hashvalues).all()
+
+
+def test_bands_are_those_datasketch_picks_and_collide_like_its_lsh():
+    cfg = DedupConfig()
+    assert lsh_bands(cfg) == (9, 13)
+    docs = [document(i) for i in range(20)] + [near_copy(document(3)), near_copy(document(4), 1)]
+    lsh = MinHashLSH(threshold=cfg.threshold, num_perm=cfg.num_perm)
+    from datasketch import MinHash
+
+    sigs = [signature(canonical_words(d), cfg) for d in docs]
+    hits = []
+    for i, s in enumerate(sigs):
+        m = MinHash(num_perm=cfg.num_perm, hashvalues=s, scheme="affine32")
+        found = lsh.query(m)
+        ours = [j for j in range(i) if any((sigs[j][b * 13:(b + 1) * 13] == s[b * 13:(b + 1) * 13]).all() for b in range(9))]
+        assert sorted(found) == ours
+        hits += found
+        lsh.insert(i, m)
+    assert sorted(hits) == [3, 4]  # the two near copies find their originals, nothing else collides

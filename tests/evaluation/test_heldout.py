@@ -396,11 +396,12 @@ def test_held_out_documents_are_the_runs_validation_split(tmp_path):
     from bnlit.data.shards import is_validation
     from bnlit.errors import DataError
 
-    clean = tmp_path / "clean"
-    clean.mkdir()
+    clean = tmp_path / "clean"  # a finished cleaning: each task's documents and stats.json naming them
+    (clean / "docs").mkdir(parents=True)
     docs = {name: [f"{name} দলিল {i}" for i in range(40)] for name in ("bn_a", "bn_b", "en_a")}
-    for name, texts in docs.items():
-        (clean / f"{name}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    for rank, texts in enumerate(docs.values()):
+        (clean / "docs" / f"{rank:05d}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    (clean / "stats.json").write_text(json.dumps({"pieces": {name: [rank] for rank, name in enumerate(docs)}}))
     run = tmp_path / "run"
     run.mkdir()
     with pytest.raises(DataError, match="no data report"):

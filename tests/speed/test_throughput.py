@@ -194,6 +194,10 @@ def test_monitor_numbers_on_a_fake_clock_are_the_formula():
         assert last[k] == pytest.approx(v, rel=1e-12), k
         assert float(trainer.callback_metrics[k]) == pytest.approx(v, rel=1e-6), k
     assert last["memory/peak_rss_gib"] > 0.01
+    # the hardware's count: causal (and document) masking leaves at most half the attention matrix
+    assert 0 < last["throughput/hfu"] < last["throughput/mfu"]
+    assert last["throughput/hardware_tflops"] / last["throughput/tflops"] == pytest.approx(
+        last["throughput/hfu"] / last["throughput/mfu"])
     assert monitor.peak.key == "override" and last["throughput/peak_measured"] == 0.0
     assert last["throughput/peak_tflops"] == peak_tflops
 
@@ -258,7 +262,7 @@ def test_default_run_logs_perf_and_memory(make_cfg, tmp_path):
     assert cfg.callbacks.throughput._target_ == "bnlit.callbacks.throughput.ThroughputMonitor"
     metrics = train(cfg)
     for k in ("throughput/tokens_per_s", "throughput/samples_per_s", "throughput/tflops", "throughput/mfu", "throughput/step_ms",
-              "throughput/data_wait_pct", "memory/peak_rss_gib"):
+              "throughput/data_wait_pct", "memory/peak_rss_gib", "throughput/hfu", "throughput/hardware_tflops"):
         assert k in metrics and metrics[k] > 0, k
     assert metrics["throughput/mfu"] < 100 and metrics["throughput/peak_measured"] == 1.0  # this CPU's measured matmul peak
     rows = list(csv.DictReader(open(next((tmp_path / "run").rglob("metrics.csv")))))
@@ -301,7 +305,7 @@ def test_bench_script_runs_on_cpu(cache_dir, capsys):
     keep = [o for o in TINY if not o.startswith(("trainer.max_steps", "trainer.val_check", "trainer.limit_val",
                                                   "callbacks.model_checkpoint", "logger", "~callbacks.progress_bar",
                                                   "trainer.enable_progress_bar"))]
-    out = bench.main(["--json", "--warmup", "2", "--steps", "3", "--reps", "1", "--memory-model", "tiny",
+    out = bench.main(["--json", "--warmup", "2", "--steps", "3", "--reps", "1", "--all", "--memory", "--memory-model", "tiny",
                       "--memory-seq-len", "64", "--memory-batch-size", "2", "--memory-reps", "1", "--masking-pairs", "3",
                       *(f"--override={o}" for o in keep)])
     printed = json.loads(capsys.readouterr().out)
