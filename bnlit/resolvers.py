@@ -1,4 +1,6 @@
-"""OmegaConf resolvers used by ``conf/``; registered on import (idempotent)."""
+"""What ``conf/`` needs before Hydra composes it, registered on import (idempotent): the
+``${bnlit.*}`` OmegaConf resolvers, and the callbacks' config schemas
+(:mod:`bnlit.callbacks.schemas`, the ``callbacks/schema`` group each ``conf/callbacks/*.yaml`` starts from)."""
 
 from __future__ import annotations
 
@@ -44,6 +46,9 @@ def register() -> None:
         OmegaConf.register_new_resolver("bnlit.rehearsal_devices", rehearsal_devices)
     if not OmegaConf.has_resolver("bnlit.cpu_precision"):
         OmegaConf.register_new_resolver("bnlit.cpu_precision", cpu_precision)
+    from bnlit.callbacks import schemas  # the callbacks import most of bnlit: only when configs compose
+
+    schemas.register()
 
 
 register()

@@ -37,7 +37,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -315,7 +315,7 @@ class MFUFloor:
     warmup_steps: int = 20
     patience: int = 1
     on_low_mfu: str = "warn"
-    low: int = 0  # consecutive low logging steps so far
+    low: int = field(default=0, init=False)  # consecutive low logging steps so far (state, not a setting)
 
     def __post_init__(self):
         if self.on_low_mfu not in ("warn", "raise"):
