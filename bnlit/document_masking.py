@@ -5,7 +5,9 @@ Shards are ``doc eos doc eos ...`` (``bnlit.data.shards``), cut into fixed windo
 ``[eos] text ...``, exactly the context that scoring and generation give one document at a time
 (multiple-choice scoring prepends ``eos``), and the first token of a document is predicted from
 the ``eos`` alone rather than from the unrelated text before it. A token attends to earlier
-tokens of its own document only.
+tokens of its own document only, in training, in ``val/loss`` and in every held-out score that
+packs documents into windows (``bnlit.evaluation.evaluate_stream``: the random twin, the n-gram
+comparison, ``scripts/evaluate.py``, llama.cpp through ``bnlit.serving``).
 
 RoPE positions are *not* restarted per document: with the mask, every attention score is between
 two tokens of one document, and RoPE makes a score depend only on their distance, so restarting

@@ -7,10 +7,17 @@ export is a rename table: no permutation of ``wq``/``wk`` is needed (the interle
 checkpoints of Meta's reference code need one; ours do not). A tied head is written once, as
 ``model.embed_tokens.weight``, with ``tie_word_embeddings: true``.
 
-The directory holds ``config.json``, ``model.safetensors``, ``generation_config.json``, the
-SentencePiece ``tokenizer.model`` with ``tokenizer_config.json`` and ``special_tokens_map.json``.
-It is written to a temporary sibling directory and renamed into place, so an interrupted export
-leaves no half-written model behind.
+The directory holds ``config.json``, ``model.safetensors``, ``generation_config.json``,
+``tokenizer.json`` (a ``tokenizers`` pipeline with bnlit's normalisation in its normalizer,
+:mod:`bnlit.hf_tokenizer`: ``AutoTokenizer`` gives :meth:`Tokenizer.encode`'s ids on raw text),
+``tokenizer_config.json``, ``special_tokens_map.json`` and the SentencePiece ``tokenizer.model``
+(for SentencePiece users and llama.cpp's converter; SentencePiece itself does not apply bnlit's
+normalisation: call :func:`normalize` first). A bnlit document starts after an end-of-document
+token, never ``<s>`` (untrained), so the export names ``</s>`` as both BOS and EOS (as GPT-2 does
+with ``<|endoftext|>``): tools that start a sequence with the BOS, such as lm-evaluation-harness's
+rolling log-likelihood and ``generate`` without a prompt, give the model the context it trained on.
+The tokenizer adds no special token when it encodes. It is written to a temporary sibling
+directory and renamed into place, so an interrupted export leaves no half-written model behind.
 
 **GGUF.** :func:`export_gguf` writes the same tensors, renamed from the Hugging Face names by the
 ``gguf`` package's own table, with the metadata and the Q/K row order llama.cpp's
@@ -48,6 +55,8 @@ from bnlit.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, normalize
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")  # --type of scripts/export_gguf.py
 NORMALIZATION_NOTE = ("call bnlit.tokenizer.normalize(text) before encoding (NFC with decomposed nukta letters, "
                       "khanda-ta, joiners, invisible controls; bnlit/data/normalize.py)")
+TOKENIZER_JSON_NOTE = ("tokenizer.json's normalizer applies bnlit.tokenizer.normalize (bnlit/hf_tokenizer.py): encode raw "
+                       "text; tokenizer.model (SentencePiece) does not: call bnlit.tokenizer.normalize(text) first")
 
 LAYER_RENAMES = {
     "attention.wq.weight": "self_attn.q_proj.weight",
@@ -110,7 +119,7 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
         "mlp_bias": False,
         "tie_word_embeddings": cfg.tie_embeddings,
         "initializer_range": cfg.init_std,
-        "bos_token_id": BOS_ID,
+        "bos_token_id": EOS_ID,  # a document opens with eos (module docstring)
         "eos_token_id": EOS_ID,
         "pad_token_id": PAD_ID,
         "torch_dtype": dtype_name,
@@ -121,23 +130,21 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
 
 
 def tokenizer_files(tokenizer: Tokenizer, max_len: int) -> dict[str, dict]:
-    """``tokenizer_config.json`` and ``special_tokens_map.json`` for the SentencePiece model.
-    bnlit prepends no BOS and appends no EOS when it encodes (documents are separated by EOS)."""
+    """``tokenizer_config.json`` and ``special_tokens_map.json`` for ``tokenizer.json``, loaded as
+    is by the generic fast tokenizer (transformers 4 and 5). bnlit prepends no BOS and appends no EOS
+    when it encodes; the BOS is the ``eos`` piece that opens every document (module docstring)."""
     piece = tokenizer.sp.id_to_piece
-    special = {"bos_token": piece(BOS_ID), "eos_token": piece(EOS_ID), "unk_token": piece(UNK_ID),
+    special = {"bos_token": piece(EOS_ID), "eos_token": piece(EOS_ID), "unk_token": piece(UNK_ID),
                "pad_token": piece(PAD_ID)}
     config = {
-        "tokenizer_class": "LlamaTokenizer",
+        "tokenizer_class": "PreTrainedTokenizerFast",
         **special,
         "add_bos_token": False,
         "add_eos_token": False,
-        "add_prefix_space": True,
-        "legacy": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": max_len,
         "padding_side": "right",
-        # the SentencePiece model's own rule is identity: bnlit normalises before encoding
-        "bnlit_normalization": NORMALIZATION_NOTE,
+        "bnlit_normalization": TOKENIZER_JSON_NOTE,
     }
     return {"tokenizer_config.json": config, "special_tokens_map.json": special}
 
@@ -155,8 +162,12 @@ def check_export(model: Transformer, tokenizer: Tokenizer, out: Path, overwrite:
 def export_hf(model: Transformer, tokenizer: Tokenizer, out_dir: str | os.PathLike,
               dtype: torch.dtype = torch.float32, overwrite: bool = False) -> Path:
     """Write ``model`` and ``tokenizer`` to ``out_dir`` in the Hugging Face Llama layout."""
+    from bnlit import hf_tokenizer
+
     out_dir = Path(out_dir)
     check_export(model, tokenizer, out_dir, overwrite, "export directory")
+    fast = hf_tokenizer.build(tokenizer)  # refused here, before anything is written
+    hf_tokenizer.verify(fast, tokenizer)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp", dir=out_dir.parent))
     try:
@@ -164,13 +175,14 @@ def export_hf(model: Transformer, tokenizer: Tokenizer, out_dir: str | os.PathLi
         cfg = model.config
         files = {
             "config.json": hf_config(cfg, dtype),
-            "generation_config.json": {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID,
+            "generation_config.json": {"bos_token_id": EOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID,
                                        "do_sample": True, "temperature": 0.8, "top_k": 50, "top_p": 0.95,
                                        "max_length": cfg.max_seq_len},
             **tokenizer_files(tokenizer, cfg.max_seq_len),
         }
         for name, payload in files.items():
             (tmp / name).write_text(json.dumps(payload, indent=2, ensure_ascii=False) + "\n")
+        fast.save(str(tmp / "tokenizer.json"))
         tokenizer.save(tmp / "tokenizer.model")
         umask_modes(tmp)
         if out_dir.exists():  # overwrite: move the old export aside, then drop it
@@ -202,15 +214,6 @@ def umask_modes(directory: Path) -> None:
 _SPACES = re.compile(" {2,}")
 
 
-def sentencepiece_spec(tokenizer: Tokenizer):
-    """The SentencePiece ``ModelProto`` of ``tokenizer`` (pieces, types, normaliser flags)."""
-    from sentencepiece import sentencepiece_model_pb2
-
-    proto = sentencepiece_model_pb2.ModelProto()
-    proto.ParseFromString(tokenizer.model_bytes)
-    return proto
-
-
 def gguf_text(text: str, remove_extra_whitespaces: bool = True) -> str:
     """What to give llama.cpp's tokenizer so that its ids equal :meth:`Tokenizer.encode`'s: bnlit's
     :func:`normalize`, then SentencePiece's ``remove_extra_whitespaces`` (spaces at the ends
@@ -233,16 +236,11 @@ def gguf_vocab(tokenizer: Tokenizer, vocab_size: int) -> tuple[list[bytes], list
     rows. SentencePiece's user-defined pieces become normal ones (module docstring)."""
     import gguf
 
-    proto = sentencepiece_spec(tokenizer)
-    pieces = [p.piece for p in proto.pieces]
+    from bnlit.hf_tokenizer import check_user_defined
+
+    proto = tokenizer.proto()
+    check_user_defined(proto)
     tokens, scores, types = [], [], []
-    user_defined = [p.piece for p in proto.pieces if p.type == p.USER_DEFINED]
-    for piece in user_defined:
-        inside = next((q for q in pieces if q != piece and piece in q), None)
-        if inside is not None:
-            raise CheckpointError(f"tokenizer: user-defined piece {piece!r} is also inside piece {inside!r}; "
-                                  "llama.cpp would merge it where SentencePiece does not, so the GGUF's "
-                                  "tokenization would differ. Retrain the tokenizer (scripts/train_tokenizer.py)")
     for p in proto.pieces:
         tokens.append(p.piece.encode("utf-8"))
         scores.append(p.score)
@@ -295,7 +293,7 @@ def export_gguf(model: Transformer, tokenizer: Tokenizer, out_path: str | os.Pat
         "bf16": (Q.BF16, gguf.LlamaFileType.MOSTLY_BF16), "q8_0": (Q.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
     }[type]
     cfg = model.config
-    spec = sentencepiece_spec(tokenizer).normalizer_spec
+    spec = tokenizer.proto().normalizer_spec
     tokens, scores, types = gguf_vocab(tokenizer, cfg.vocab_size)
 
     w = gguf.GGUFWriter(None, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA])

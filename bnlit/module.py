@@ -294,3 +294,5 @@ class LMModule(L.LightningModule):
         cfg = getattr(self.model, "config", None)
         if cfg is not None:
             checkpoint["model_config"] = cfg.to_dict()
+        # the attention the weights were trained with: scripts/evaluate.py scores with the same
+        checkpoint["document_masking"] = self.document_masking

@@ -40,6 +40,8 @@ def load_gguf(path: str | os.PathLike, n_ctx: int | None = None, vocab_only: boo
         n_threads = choose_threads("auto", available_cpus(), load_average())[0]
     if not path.is_file():
         raise CheckpointError(f"--gguf {path}: no such file; write one with scripts/export_gguf.py")
+    if vocab_only:  # no weights, but llama.cpp still makes a context: a small one
+        n_ctx = n_ctx or 16
     try:
         llm = llama_cpp.Llama(str(path), n_ctx=n_ctx or 0, n_batch=n_ctx or 512, logits_all=True,
                               vocab_only=vocab_only, type_k=GGML_TYPE_F32, type_v=GGML_TYPE_F32,
@@ -54,9 +56,10 @@ class LlamaCppLM:
     like :class:`bnlit.tokenizer.Tokenizer`, ``lm(idx)`` -> logits ``(B, T, V)`` like
     :class:`bnlit.model.Transformer`, and :meth:`generate_greedy`."""
 
-    def __init__(self, path: str | os.PathLike, n_ctx: int | None = None, n_threads: int | None = None):
+    def __init__(self, path: str | os.PathLike, n_ctx: int | None = None, n_threads: int | None = None,
+                 vocab_only: bool = False):
         self.path = Path(path)
-        self.llm = load_gguf(path, n_ctx=n_ctx, n_threads=n_threads)
+        self.llm = load_gguf(path, n_ctx=n_ctx, n_threads=n_threads, vocab_only=vocab_only)
         meta = self.llm.metadata
         self.eos_id = int(meta["tokenizer.ggml.eos_token_id"])
         self.remove_extra_whitespaces = meta.get("tokenizer.ggml.remove_extra_whitespaces", "false") == "true"
@@ -65,7 +68,11 @@ class LlamaCppLM:
 
     def encode(self, text: str) -> list[int]:
         """llama.cpp's ids for ``text`` after the documented pre-call (:func:`bnlit.export.gguf_text`)."""
-        raw = gguf_text(text, self.remove_extra_whitespaces).encode("utf-8")
+        return self.encode_raw(gguf_text(text, self.remove_extra_whitespaces))
+
+    def encode_raw(self, text: str) -> list[int]:
+        """llama.cpp's ids for ``text`` as given, as its CLI, server and ollama tokenize a prompt."""
+        raw = text.encode("utf-8")
         return self.llm.tokenize(raw, add_bos=False, special=False) if raw else []
 
     def encode_batch(self, texts: Sequence[str], num_threads: int = 1) -> list[list[int]]:
@@ -91,8 +98,20 @@ class LlamaCppLM:
         self.llm.eval(list(ids))
         return np.array(self.llm.scores[:len(ids)], dtype=np.float32)
 
-    def __call__(self, idx: torch.Tensor) -> torch.Tensor:
-        return torch.from_numpy(np.stack([self.logits(row.tolist()) for row in idx.cpu()]))
+    def __call__(self, idx: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits ``(B, T, V)`` of the windows ``idx``. ``mask``: a boolean document mask
+        (:func:`bnlit.document_masking.document_mask`): each document of a window then runs from an
+        empty cache, so it attends to itself only. Its RoPE positions restart at 0, which changes
+        rounding only (attention scores depend on distances inside the document)."""
+        rows = []
+        for b, row in enumerate(idx.cpu().tolist()):
+            if mask is None:
+                rows.append(self.logits(row))
+                continue
+            same = mask[b, 0].diagonal(-1).cpu()  # may token i attend to token i - 1?
+            starts = [0] + [i + 1 for i in torch.nonzero(~same).flatten().tolist()] + [len(row)]
+            rows.append(np.concatenate([self.logits(row[a:z]) for a, z in zip(starts, starts[1:]) if z > a]))
+        return torch.from_numpy(np.stack(rows))
 
     def generate_greedy(self, ids: Sequence[int], max_new_tokens: int) -> list[int]:
         """The next ``max_new_tokens`` tokens by llama.cpp's own sampler at temperature 0 (argmax)."""

@@ -5,8 +5,9 @@ character rules data cleaning applies (controls removed, NFC with য় ড় 
 legacy khanda-ta as ৎ, ZWJ/ZWNJ kept only where they change rendering). bnlit applies it before
 SentencePiece sees any text, in training and in :meth:`Tokenizer.encode`; SentencePiece's own
 rule is ``identity``. NFKC (SentencePiece's default) also folds compatibility characters, which
-rewrites some text and so changes what a model sees from what a user typed. An exported
-tokenizer (``bnlit/export.py``) gets the raw SentencePiece model: call :func:`normalize` first.
+rewrites some text and so changes what a model sees from what a user typed. The Hugging Face
+export carries :func:`normalize` in its ``tokenizer.json`` (``bnlit/hf_tokenizer.py``); the
+SentencePiece model alone does not: call :func:`normalize` first.
 
 **Coverage.** Every letter, vowel sign, mark and digit of the Bengali block that Bangla uses
 (:data:`BANGLA_CHARS`), the danda and double danda, and ZWJ/ZWNJ are required characters: each is
@@ -248,6 +249,14 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.sp.decode(list(ids))
+
+    def proto(self):
+        """The SentencePiece ``ModelProto`` (pieces, types, normaliser flags), for the exports."""
+        from sentencepiece import sentencepiece_model_pb2
+
+        proto = sentencepiece_model_pb2.ModelProto()
+        proto.ParseFromString(self.model_bytes)
+        return proto
 
     def is_byte(self, token_id: int) -> bool:
         return self.sp.is_byte(token_id)

@@ -56,8 +56,11 @@ class RandomTwinNLL(L.Callback):
         return True
 
     def _score(self, trainer: L.Trainer, model) -> dict[str, ev.EvalResult]:
+        # the attention the run trains with: the document mask unless module.document_masking=false
+        masked = getattr(trainer.lightning_module, "document_masking", True)
         return ev.score_slices(model, self._slices, self.seq_len, self.batch_size, trainer.global_rank,
-                               trainer.world_size, trainer.strategy.precision_plugin.forward_context())
+                               trainer.world_size, trainer.strategy.precision_plugin.forward_context(),
+                               eos_id=trainer.datamodule.tokenizer.eos_id, document_masking=masked)
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING:

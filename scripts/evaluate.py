@@ -4,11 +4,14 @@ training data; optionally multiple-choice accuracy (lm-eval-harness ``acc_norm``
 
     python scripts/evaluate.py --checkpoint CKPT --text bn=FILE --text en=FILE [--json]
                                [--twin/--no-twin] [--multiple-choice FILE] [--run-dir DIR] [--no-contamination]
-                               [--held-out bn] [--gguf FILE ...]
+                               [--held-out bn] [--gguf FILE ...] [--gguf-raw]
 
 A ``.txt`` file is one document per blank-line separated paragraph, a ``.jsonl`` file one
 ``{"text": ...}`` per line. Every document token and one end-of-document token per document are
-scored once, in windows of the training ``seq_len``; the n-gram baselines score the same stream.
+scored once, in windows of at most the training ``seq_len`` that cut a document only when it is
+longer (``bnlit.evaluation.windows``), with the attention the checkpoint was trained
+with (the document mask unless it ran with ``module.document_masking=false``; ``--document-masking``
+overrides): a document scores as it would alone. The n-gram baselines score the same stream.
 The run directory (default: the checkpoint's ``<run dir>/checkpoints/..``) supplies the baselines
 (``baselines/ngram_<lang>.npz``, or counted from the run's training shards) and the cleaned
 training text the contamination is measured against: the share of the file's distinct 13-word
@@ -18,8 +21,9 @@ language, with top-level ``vocab_size`` (and ``multiple_choice`` when asked).
 
 ``--held-out LANG`` scores the run's own validation documents of LANG (from its cleaning cache).
 ``--gguf FILE`` (repeatable; needs the ``serve`` extra) also scores a GGUF export of the checkpoint
-through llama.cpp: llama.cpp tokenizes the text (after ``bnlit.export.gguf_text``) and computes
-the logits, in the same windows; each language's row gains ``gguf`` with, per file, the same
+through llama.cpp: llama.cpp tokenizes the text (after ``bnlit.export.gguf_text``; with
+``--gguf-raw`` the raw text, as llama.cpp's CLI, server and ollama get it) and computes the
+logits, in the same windows; each language's row gains ``gguf`` with, per file, the same
 fields, ``same_tokens`` (llama.cpp's token stream equals bnlit's) and ``bits_per_char_vs_trained``.
 """
 
@@ -40,7 +44,8 @@ if TYPE_CHECKING:  # imported where used: --help answers without torch
 
 BASELINES = ("unigram", "bigram")  # bnlit.evaluation.ngram.BASELINES (tests/test_scripts_help.py checks they agree)
 
-RESERVED = ("vocab_size", "ln_vocab", "checkpoint", "step", "seq_len", "multiple_choice", "run_dir", "baselines")
+RESERVED = ("vocab_size", "ln_vocab", "checkpoint", "step", "seq_len", "document_masking", "multiple_choice", "run_dir",
+            "baselines")
 FIELDS = ("nll_per_token", "perplexity", "bits_per_char", "bits_per_byte")
 BASELINE_FIELDS = ("nll_per_token", "bits_per_char", "bits_per_byte")
 
@@ -107,24 +112,29 @@ def contamination(texts: list[str], run_dir: Path | None, name: str) -> dict:
         return {"unknown": str(e)}
 
 
-def score(model, stream, seq_len: int, batch_size: int, device, chars: int, nbytes: int) -> EvalResult:
+def score(model, stream, seq_len: int, batch_size: int, device, chars: int, nbytes: int, eos_id: int,
+          masked: bool) -> EvalResult:
     from bnlit.evaluation.heldout import EvalResult, evaluate_stream
 
-    nll, tokens = evaluate_stream(model, stream, seq_len, batch_size, device)
+    nll, tokens = evaluate_stream(model, stream, seq_len, batch_size, device, eos_id=eos_id, document_masking=masked)
     return EvalResult(nll, tokens, chars, nbytes)
 
 
 GGUF_FILE_TYPES = {0: "f32", 1: "f16", 7: "q8_0", 32: "bf16"}  # general.file_type (gguf.LlamaFileType)
 
 
-def score_gguf(lm, docs: list[str], seq_len: int, batch_size: int, bnlit_stream, trained: EvalResult) -> dict:
-    """One language's row for a GGUF file: llama.cpp's tokens and logits, bnlit's windows."""
+def score_gguf(lm, docs: list[str], seq_len: int, batch_size: int, bnlit_stream, trained: EvalResult,
+               masked: bool, raw: bool = False) -> dict:
+    """One language's row for a GGUF file: llama.cpp's tokens (of the raw text, or after the
+    ``gguf_text`` pre-call) and logits, bnlit's windows."""
     from bnlit.evaluation.heldout import EvalResult, evaluate_stream, token_stream
 
-    stream = token_stream(lm.encode_batch(docs), lm.eos_id)
-    nll, tokens = evaluate_stream(lm, stream, seq_len, batch_size, device="cpu")
+    stream = token_stream([lm.encode_raw(d) if raw else lm.encode(d) for d in docs], lm.eos_id)
+    nll, tokens = evaluate_stream(lm, stream, seq_len, batch_size, device="cpu", eos_id=lm.eos_id,
+                                  document_masking=masked)
     r = EvalResult(nll, tokens, trained.chars, trained.bytes)
     return {"file": str(lm.path), "type": GGUF_FILE_TYPES.get(lm.file_type, str(lm.file_type)),
+            "text": "raw" if raw else "gguf_text",
             **{k: getattr(r, k) for k in FIELDS}, "tokens": r.tokens,
             "same_tokens": len(stream) == len(bnlit_stream) and bool((stream == bnlit_stream).all()),
             "bits_per_char_vs_trained": r.bits_per_char / trained.bits_per_char - 1}
@@ -162,6 +172,8 @@ def evaluate(args: argparse.Namespace) -> dict:
     model.to(device)
     cfg = model.config
     seq_len = args.seq_len or datamodule_state(ckpt).get("seq_len") or cfg.max_seq_len
+    # checkpoints written before the flag was saved trained with the mask (the default since it exists)
+    masked = ckpt.get("document_masking", True) if args.document_masking is None else args.document_masking
     if not 0 < seq_len <= cfg.max_seq_len:
         raise ConfigError(f"--seq-len {seq_len}: must be in 1..{cfg.max_seq_len} (model.config.max_seq_len)")
     ggufs = []
@@ -175,17 +187,17 @@ def evaluate(args: argparse.Namespace) -> dict:
     counts, source = run_baselines(run_dir, list(docs), tok.eos_id, cfg.vocab_size) if docs else ({}, "")
     out: dict = {"checkpoint": str(args.checkpoint), "step": ckpt.get("global_step"), "vocab_size": cfg.vocab_size,
                  "ln_vocab": math.log(cfg.vocab_size), "seq_len": seq_len,
-                 "run_dir": str(run_dir) if run_dir else None, "baselines": source}
+                 "document_masking": masked, "run_dir": str(run_dir) if run_dir else None, "baselines": source}
     for lang, d in docs.items():
         stream = token_stream(tok.encode_batch(d), tok.eos_id)
         chars, nbytes = sum(len(x) for x in d), sum(len(x.encode("utf-8")) for x in d)
         stage(f"{lang}: {len(d):,} documents, {len(stream):,} tokens: the checkpoint")
-        r = score(model, stream, seq_len, args.batch_size, device, chars, nbytes)
+        r = score(model, stream, seq_len, args.batch_size, device, chars, nbytes, tok.eos_id, masked)
         row = {k: getattr(r, k) for k in FIELDS} | {"tokens": r.tokens, "chars": r.chars, "bytes": r.bytes,
                                                      "documents": len(d)}
         if twin is not None:
             stage(f"{lang}: the random twin")
-            t = score(twin, stream, seq_len, args.batch_size, device, chars, nbytes)
+            t = score(twin, stream, seq_len, args.batch_size, device, chars, nbytes, tok.eos_id, masked)
             row |= {f"twin_{k}": getattr(t, k) for k in FIELDS}
             row["nll_gap"] = t.nll_per_token - r.nll_per_token
         if lang in counts:
@@ -196,7 +208,8 @@ def evaluate(args: argparse.Namespace) -> dict:
                         for name in ("twin", *BASELINES) if f"{name}_bits_per_char" in row}
         if ggufs:
             stage(f"{lang}: {len(ggufs)} GGUF file(s) through llama.cpp")
-            row["gguf"] = {str(lm.path): score_gguf(lm, d, seq_len, args.batch_size, stream, r) for lm in ggufs}
+            row["gguf"] = {str(lm.path): score_gguf(lm, d, seq_len, args.batch_size, stream, r, masked, args.gguf_raw)
+                           for lm in ggufs}
         if args.contamination:
             stage(f"{lang}: overlap with the training text")
             row["contamination"] = contamination(d, run_dir, f"--text {lang}")
@@ -230,7 +243,9 @@ def contamination_note(c: dict | None) -> str:
 
 def format_report(res: dict) -> str:
     lines = [f"checkpoint {res['checkpoint']} (step {res['step']}), vocab {res['vocab_size']} "
-             f"(ln V = {res['ln_vocab']:.3f}), windows of {res['seq_len']} tokens"]
+             f"(ln V = {res['ln_vocab']:.3f}), windows of {res['seq_len']} tokens, "
+             + ("document-masked attention (as trained)" if res["document_masking"] else
+                "causal attention across documents (as trained: module.document_masking=false)")]
     langs = [k for k in res if k not in RESERVED]
     if langs:
         head = f"{'lang':<6}{'model':<9}{'docs':>6}{'tokens':>10}{'chars':>11}{'nll/tok':>9}{'bits/char':>11}{'bits/byte':>11}"
@@ -245,7 +260,8 @@ def format_report(res: dict) -> str:
                              f"{r[p + 'nll_per_token']:>9.4f}{r[p + 'bits_per_char']:>11.4f}{r[p + 'bits_per_byte']:>11.4f}"
                              f"  {note}")
             for g in r.get("gguf", {}).values():
-                lines.append(f"{lang:<6}llama.cpp {g['type']} ({g['file']}): nll/tok {g['nll_per_token']:.4f}, "
+                lines.append(f"{lang:<6}llama.cpp {g['type']} ({g['file']}, {g['text']} text): "
+                             f"nll/tok {g['nll_per_token']:.4f}, "
                              f"bits/char {g['bits_per_char']:.4f} ({100 * g['bits_per_char_vs_trained']:+.3f}% vs "
                              f"trained), bits/byte {g['bits_per_byte']:.4f}, "
                              f"{'the same tokens as bnlit' if g['same_tokens'] else 'OTHER TOKENS than bnlit'}")
@@ -272,6 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--multiple-choice", type=Path, help='multiple-choice JSONL: {"context", "choices", "label"} per line')
     p.add_argument("--seq-len", type=int, help="window length (default: the training seq_len)")
     p.add_argument("--batch-size", type=int, default=8, help="windows scored per forward pass (default 8)")
+    p.add_argument("--document-masking", action=argparse.BooleanOptionalAction, default=None,
+                   help="attend within each document only (default: as the checkpoint was trained)")
     p.add_argument("--run-dir", type=Path, help="the training run (default: the checkpoint's run directory)")
     p.add_argument("--contamination", action=argparse.BooleanOptionalAction, default=True,
                    help="measure each text's overlap with the run's training data (default: on)")
@@ -279,6 +297,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="score the run's own validation documents of LANG (repeatable; needs its cleaning cache)")
     p.add_argument("--gguf", action="append", type=Path, metavar="FILE",
                    help="also score this GGUF export through llama.cpp (repeatable; pip install -e '.[serve]')")
+    p.add_argument("--gguf-raw", action="store_true",
+                   help="give llama.cpp the raw text (as its CLI, server and ollama do), not bnlit.export.gguf_text(text)")
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     return p
 

@@ -1,12 +1,12 @@
 """Export a checkpoint in the Hugging Face Llama layout (config.json, model.safetensors,
-generation_config.json, tokenizer.model + tokenizer_config.json).
+generation_config.json, tokenizer.json + tokenizer_config.json, and the SentencePiece tokenizer.model).
 
     python scripts/export_hf.py --checkpoint CKPT --out DIR [--dtype float32|bfloat16|float16] [--overwrite]
 
 Load it with ``transformers.LlamaForCausalLM.from_pretrained(DIR)`` and
-``AutoTokenizer.from_pretrained(DIR)``. bnlit normalises text before encoding; do the same when you
-feed the exported tokenizer: ``tok.encode(bnlit.tokenizer.normalize(text))`` (NFC with য় ড় ঢ় as
-letter + nukta, legacy khanda-ta as ৎ, stray joiners and invisible controls removed).
+``AutoTokenizer.from_pretrained(DIR)``: the tokenizer.json normalises raw text as bnlit does
+(``bnlit/hf_tokenizer.py``), so ``tok.encode(text)`` gives bnlit's ids with no bnlit call first.
+The export refuses, in one line and before writing anything, a tokenizer it cannot reproduce.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ import re
 import unicodedata
 
 # bump when normalize_chars changes what it returns for some text: token shards are keyed by it
-NORMALIZATION_VERSION = 2
+NORMALIZATION_VERSION = 3
 ZWNJ, ZWJ = "\u200c", "\u200d"
 HASANTA = "\u09cd"
 NUKTA = "\u09bc"
@@ -96,7 +96,8 @@ def _translate(text: str) -> str:
 
 
 def is_bengali_consonant(ch: str) -> bool:
-    return "\u0995" <= ch <= "\u09b9" or ch in "\u09ce\u09dc\u09dd\u09df" or ch == "\u09f0" or ch == "\u09f1"
+    # one character: "" (the text's edge) is "in" every string
+    return len(ch) == 1 and ("\u0995" <= ch <= "\u09b9" or ch in "\u09ce\u09dc\u09dd\u09df\u09f0\u09f1")
 
 
 def _is_symbol(ch: str) -> bool:

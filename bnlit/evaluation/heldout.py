@@ -9,9 +9,18 @@ per token sits near ln(V); the twin's distance from ln(V) is a check of the init
 
 Text is scored as one token stream ``[eos] doc_1 [eos] doc_2 [eos] ...``, the layout of the
 training shards, so every document token and every end-of-document token is predicted exactly
-once, the first token of a document after an ``eos`` as in training. The stream is cut into
-non-overlapping windows of ``seq_len`` predictions; the last window is shorter, not padded or
-dropped. Windows can be split across ranks; the sums are ``torchmetrics`` states, reduced by sum.
+once, the first token of a document after an ``eos`` as in training. Whole documents are packed
+into windows of at most ``seq_len`` predictions; a window cuts a document only when it is longer
+than that, and then as lm-evaluation-harness's rolling windows do (:func:`windows`). Windows can
+be split across ranks; the sums are ``torchmetrics`` states, reduced by sum.
+
+**Attention as in training.** A window holds several documents. A model trained with the document
+mask (``module.document_masking``, the default) is scored with it: a token attends only to its
+own document, so a document scores the same alone or packed after others
+(``tests/evaluation/test_heldout.py``), which is also what a tool that scores one document at a time sees
+(Hugging Face, lm-evaluation-harness's ``loglikelihood_rolling``, llama.cpp). A model trained
+without the mask is scored with plain causal attention over the packed window. Multiple-choice items and generation run one document
+per forward pass, where the two are the same.
 
 **The random twin** (``bnlit.callbacks.random_twin`` is the adapter) answers two questions a loss
 curve alone does not: did the model learn anything (the trained NLL must fall below the twin's),
@@ -38,6 +47,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torchmetrics import Metric
 
+from bnlit.document_masking import document_mask
 from bnlit.errors import ConfigError
 from bnlit.model import ModelConfig, Transformer, rope_cache
 
@@ -104,12 +114,43 @@ def token_stream(docs: Iterable[Sequence[int]], eos_id: int) -> np.ndarray:
     return np.concatenate(parts)
 
 
-def windows(n_tokens: int, seq_len: int) -> list[tuple[int, int]]:
-    """``(start, length)`` of the windows over a stream of ``n_tokens``: inputs are
-    ``stream[start:start+length]``, targets ``stream[start+1:start+length+1]``. Each of the
-    ``n_tokens - 1`` targets is in exactly one window; the last window holds the remainder."""
-    n_targets = max(n_tokens - 1, 0)
-    return [(s, min(seq_len, n_targets - s)) for s in range(0, n_targets, seq_len)]
+def windows(stream: np.ndarray, eos_id: int, seq_len: int) -> list[tuple[int, int, int]]:
+    """``(start, length, skip)`` of the windows that score ``stream``: inputs
+    ``stream[start:start+length]``, targets ``stream[start+1:start+length+1]``, of which the first
+    ``skip`` are not scored. Every target is scored exactly once.
+
+    A document (an ``eos`` and the tokens up to the next one, which is its last target; the
+    stream's first token opens one too) is never cut by a window when it fits in one: whole
+    documents are packed into windows of at most ``seq_len`` predictions. A longer document gets
+    lm-evaluation-harness's rolling windows (``get_rolling_token_windows`` with one token of
+    context): disjoint chunks of ``seq_len`` targets, the last one read with the longest context
+    that fits. Under the document mask a document therefore scores exactly as it does alone, and as
+    lm-eval's ``loglikelihood_rolling`` scores it, whatever its neighbours and the window size."""
+    stream = np.asarray(stream)
+    n_targets = len(stream) - 1
+    if n_targets < 1:
+        return []
+    starts = [0] + [int(i) for i in np.flatnonzero(stream[1:n_targets] == eos_id) + 1]
+    bounds = list(zip(starts, starts[1:] + [n_targets]))
+    out: list[tuple[int, int, int]] = []
+    open_at = None  # start of the window being packed
+    for a, b in bounds:
+        if open_at is not None and b - open_at > seq_len:
+            out.append((open_at, a - open_at, 0))
+            open_at = None
+        if b - a <= seq_len:
+            open_at = a if open_at is None else open_at
+            continue
+        out.append((a, seq_len, 0))  # a long document: lm-eval's rolling windows
+        done = seq_len
+        while done < b - a:
+            pred = min(b - a - done, seq_len)
+            end = a + done + pred  # the stream index of this window's last target
+            out.append((end - seq_len, seq_len, seq_len - pred))
+            done += pred
+    if open_at is not None:
+        out.append((open_at, n_targets - open_at, 0))
+    return out
 
 
 @torch.no_grad()
@@ -122,33 +163,47 @@ def evaluate_stream(
     rank: int = 0,
     world_size: int = 1,
     metric: NLLSum | None = None,
+    *,
+    eos_id: int,
+    document_masking: bool,
 ) -> tuple[float, int]:
-    """Summed NLL (nats) and number of scored tokens of ``stream`` under ``model``.
+    """Summed NLL (nats) and number of scored tokens of ``stream`` under ``model``, in the
+    document-aligned :func:`windows` of ``seq_len`` predictions.
 
-    ``model(idx)`` must return logits ``(B, T, V)``. This rank scores windows ``rank::world_size``;
-    pass a shared ``metric`` to accumulate across calls, and its ``compute()`` sums over ranks.
-    The caller sets eval mode and any autocast; gradients are off here.
+    ``eos_id``: the token that opens each document. ``document_masking``: attention stops at every
+    document boundary inside a window (:func:`bnlit.document_masking.document_mask`,
+    ``model(idx, mask=...)``), as training does with ``module.document_masking``; False: plain
+    causal attention over the window (``model(idx)``), for a model trained without the mask. Both
+    are required so that no caller forgets them. ``model`` returns logits ``(B, T, V)``. Windows
+    of a batch are padded on the right (after every real token, so nothing real attends to the
+    padding). This rank scores windows ``rank::world_size``; pass a shared ``metric`` to accumulate
+    across calls, and its ``compute()`` sums over ranks. The caller sets eval mode and any
+    autocast; gradients are off here.
     """
     device = torch.device(device) if device is not None else next(model.parameters()).device
     stream = torch.as_tensor(np.asarray(stream, dtype=np.int64))
     metric = metric if metric is not None else NLLSum()
     metric = metric.to(device)
-    every = windows(len(stream), seq_len)
-    spans = every[rank::world_size]
-    # group equal lengths so the short last window is its own batch and nothing is padded
-    for length in sorted({n for _, n in every}, reverse=True):
-        starts = [s for s, n in spans if n == length]
-        # under FSDP every forward is a collective (it gathers the shards): each rank makes as many
-        # calls as the busiest rank, a rank with nothing left scores a spare window and drops it
-        most = max(sum(1 for _, n in every[r::world_size] if n == length) for r in range(world_size))
-        spare = next(s for s, n in every if n == length)
-        for i in range(0, most, batch_size):
-            chunk = starts[i:i + batch_size]
-            x = torch.stack([stream[s:s + length] for s in chunk or [spare]]).to(device)
-            logits = model(x)
-            if chunk:
-                y = torch.stack([stream[s + 1:s + length + 1] for s in chunk]).to(device)
-                metric.update(F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none"))
+    every = sorted(windows(stream.numpy(), eos_id, seq_len), key=lambda w: -w[1])  # similar lengths batch together
+    mine = every[rank::world_size]
+    pad = 0 if eos_id != 0 else 1  # any token but eos: padding joins the last document, opens none
+    # under FSDP every forward is a collective (it gathers the shards): each rank makes as many
+    # calls as the busiest rank, a rank with nothing left scores a spare window and drops it
+    most = -(-len(every[0::world_size]) // batch_size) if every else 0
+    for i in range(most):
+        chunk = mine[i * batch_size:(i + 1) * batch_size]
+        rows = chunk or every[:1]
+        width = max(n for _, n, _ in rows)
+        x = torch.full((len(rows), width), pad, dtype=torch.long)
+        for r, (s, n, _) in enumerate(rows):
+            x[r, :n] = stream[s:s + n]
+        x = x.to(device)
+        logits = model(x, mask=document_mask(x, eos_id)) if document_masking else model(x)
+        if chunk:
+            logp = logits.float()
+            nll = [F.cross_entropy(logp[r, k:n], stream[s + 1 + k:s + n + 1].to(device), reduction="none")
+                   for r, (s, n, k) in enumerate(chunk)]
+            metric.update(torch.cat(nll))
     nll, tokens = metric.compute()
     return float(nll), int(tokens)
 
@@ -160,11 +215,14 @@ def evaluate_documents(
     seq_len: int,
     batch_size: int = 8,
     device: torch.device | str | None = None,
+    document_masking: bool = True,
 ) -> EvalResult:
     """Score whole documents: tokens include one ``eos`` per document; characters and bytes are
-    of the documents' text (the convention of the shard index)."""
+    of the documents' text (the convention of the shard index). ``document_masking``: as the
+    model was trained (:func:`evaluate_stream`)."""
     stream = token_stream(tokenizer.encode_batch(list(docs)), tokenizer.eos_id)
-    nll, tokens = evaluate_stream(model, stream, seq_len, batch_size, device)
+    nll, tokens = evaluate_stream(model, stream, seq_len, batch_size, device, eos_id=tokenizer.eos_id,
+                                  document_masking=document_masking)
     return EvalResult(nll, tokens, sum(len(d) for d in docs), sum(len(d.encode("utf-8")) for d in docs))
 
 
@@ -294,9 +352,11 @@ def twin_slices(dm, languages: Sequence[str] | None, max_tokens: int | None) -> 
 
 
 def score_slices(model: nn.Module, slices: dict[str, tuple[np.ndarray, int, int]], seq_len: int, batch_size: int,
-                 rank: int = 0, world_size: int = 1, context=None) -> dict[str, EvalResult]:
+                 rank: int = 0, world_size: int = 1, context=None, *, eos_id: int,
+                 document_masking: bool) -> dict[str, EvalResult]:
     """:class:`EvalResult` per slice of :func:`twin_slices`, in eval mode under ``context`` (e.g.
-    the precision plugin's autocast), without touching the RNG streams; the model's mode is kept."""
+    the precision plugin's autocast), without touching the RNG streams; the model's mode is kept.
+    ``document_masking``: as the model trained (:func:`evaluate_stream`)."""
     was_training = model.training
     device = next(model.parameters()).device
     model.eval()
@@ -306,7 +366,8 @@ def score_slices(model: nn.Module, slices: dict[str, tuple[np.ndarray, int, int]
             out = {}
             for lang, (stream, chars, nbytes) in slices.items():
                 nll, tokens = evaluate_stream(model, stream, seq_len, batch_size, device, rank=rank,
-                                              world_size=world_size, metric=NLLSum())
+                                              world_size=world_size, metric=NLLSum(), eos_id=eos_id,
+                                              document_masking=document_masking)
                 out[lang] = EvalResult(nll, tokens, chars, nbytes)
     finally:
         model.train(was_training)

@@ -80,9 +80,10 @@ def belebele_item(row: dict) -> MultipleChoiceItem:
 
 
 def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
-    """lm-eval-harness ``_encode_pair``: trailing spaces of the context move to the continuation;
-    the continuation's ids are ``encode(context + continuation)`` past ``encode(context)``."""
-    n_spaces = len(context) - len(context.rstrip(" "))
+    """lm-eval-harness ``_encode_pair``: trailing whitespace of the context (spaces, newlines,
+    ``str.rstrip()``) moves to the continuation; the continuation's ids are
+    ``encode(context + continuation)`` past ``encode(context)``."""
+    n_spaces = len(context) - len(context.rstrip())
     if n_spaces:
         context, continuation = context[:-n_spaces], context[-n_spaces:] + continuation
     whole = tokenizer.encode(context + continuation)

@@ -33,6 +33,8 @@ def test_stray_joiners_are_removed():
     assert normalize_text(ZWJ + "বাংলা" + ZWNJ + " text" + ZWJ + "word") == "বাংলা textword"
     assert normalize_text("কা" + ZWJ + "ল") == "কাল"  # after a vowel sign: no rendering effect
     assert normalize_text(KA + HASANTA + ZWNJ + ZWNJ + ZWJ + SSA) == KA + HASANTA + ZWNJ + SSA  # a run keeps its first
+    # at the text's start nothing precedes the joiner: stray even before a hasanta (the edge is not a consonant)
+    assert normalize_text(ZWJ + HASANTA + ZWNJ) == HASANTA + ZWNJ
 
 
 def test_emoji_zwj_sequence_survives():

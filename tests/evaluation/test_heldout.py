@@ -49,7 +49,7 @@ class Uniform(nn.Module):
         self.vocab_size = vocab_size
         self.anchor = nn.Parameter(torch.zeros(()))  # gives the module a device
 
-    def forward(self, idx):
+    def forward(self, idx, mask=None):
         return torch.zeros(*idx.shape, self.vocab_size) + 0 * self.anchor
 
 
@@ -59,50 +59,125 @@ def preset(name: str) -> ModelConfig:
 
 
 # ---- pure evaluation ----------------------------------------------------------------------
-@pytest.mark.parametrize("n,seq", [(2, 4), (9, 4), (8, 4), (5, 4), (100, 7), (1, 4)])
-def test_windows_score_every_target_exactly_once(n, seq):
-    targets = [t for s, length in windows(n, seq) for t in range(s + 1, s + length + 1)]
-    assert targets == list(range(1, n))
-    assert all(0 < length <= seq for _, length in windows(n, seq))
+@pytest.mark.parametrize("lengths,seq", [([1], 4), ([3, 0, 2], 4), ([9], 4), ([2, 7, 1, 1, 15, 3], 4),
+                                         ([5, 5, 5], 7), ([30, 2, 40], 7), ([], 4)])
+def test_windows_score_every_target_once_and_cut_only_long_documents(lengths, seq):
+    stream = token_stream([[5] * n for n in lengths], 3)
+    spans = windows(stream, 3, seq)
+    scored = [t for s, n, k in spans for t in range(s + 1 + k, s + n + 1)]
+    assert scored == sorted(scored) and scored == list(range(1, len(stream)))
+    assert all(0 < n <= seq and 0 <= k < n for _, n, k in spans)
+    starts = np.flatnonzero(stream[:-1] == 3)
+    for a, b in zip(starts, list(starts[1:]) + [len(stream) - 1]):
+        inside = [(s, n) for s, n, _ in spans if s <= a < s + n]
+        if b - a <= seq:  # a document that fits is never cut
+            assert len(inside) == 1 and inside[0][0] + inside[0][1] >= b
+    # a long document: lm-eval's rolling windows (the last one with the longest context)
+    assert windows(token_stream([[5] * 9], 3), 3, 4) == [(0, 4, 0), (4, 4, 0), (6, 4, 2)]
+    assert windows(np.array([7, 7, 7, 7, 7]), 3, 2) == [(0, 2, 0), (2, 2, 0)]  # no eos: one document
 
 
 def test_evaluate_stream_matches_a_plain_loop_and_splits_over_ranks():
     torch.manual_seed(0)
     model = Transformer(SMALL).eval()
-    stream = np.random.default_rng(0).integers(0, SMALL.vocab_size, size=3 * 16 + 6)  # 53 targets
-    nll, tokens = evaluate_stream(model, stream, seq_len=16, batch_size=2)
+    stream = np.random.default_rng(0).integers(4, SMALL.vocab_size, size=3 * 16 + 6)  # one document, 53 targets
+    nll, tokens = evaluate_stream(model, stream, seq_len=16, batch_size=2, eos_id=3, document_masking=True)
     ref = 0.0
-    with torch.no_grad():  # reference: each window on its own, the partial one last
-        for s in range(0, len(stream) - 1, 16):
-            x = torch.as_tensor(stream[s:s + 16 + 1])
-            ref += F.cross_entropy(model(x[None, :-1])[0], x[1:], reduction="sum").item()
+    with torch.no_grad():  # reference: lm-eval's rolling windows, the last reading 16 tokens of context
+        for s, n, k in [(0, 16, 0), (16, 16, 0), (32, 16, 0), (37, 16, 11)]:
+            x = torch.as_tensor(stream[s:s + n + 1])
+            ref += F.cross_entropy(model(x[None, :-1])[0, k:], x[1 + k:], reduction="sum").item()
     assert tokens == len(stream) - 1
     assert nll == pytest.approx(ref, rel=1e-5)
     metric = NLLSum()  # ranks 0 and 1 of a world of 2, summed as an all-reduce would
-    parts = [evaluate_stream(model, stream, 16, 2, rank=r, world_size=2, metric=NLLSum()) for r in (0, 1)]
+    parts = [evaluate_stream(model, stream, 16, 2, rank=r, world_size=2, metric=NLLSum(), eos_id=3,
+                             document_masking=True) for r in (0, 1)]
     assert sum(p[1] for p in parts) == tokens
     assert sum(p[0] for p in parts) == pytest.approx(nll, rel=1e-6)
-    evaluate_stream(model, stream[:20], 16, metric=metric)
-    evaluate_stream(model, stream[20:], 16, metric=metric)
+    evaluate_stream(model, stream[:20], 16, metric=metric, eos_id=3, document_masking=True)
+    evaluate_stream(model, stream[20:], 16, metric=metric, eos_id=3, document_masking=False)
     assert int(metric.compute()[1]) == len(stream) - 2  # running sums across calls
 
 
 def test_evaluate_stream_makes_the_same_number_of_forward_calls_on_every_rank():
     """Under FSDP a forward gathers the shards (a collective): a rank that stops calling the model
-    before the others hangs them. 3 full windows and a short one over 2 ranks: rank 0 has 2 full,
-    rank 1 has 1 full and the short one; both must call the model once per length group."""
+    before the others hangs them. 5 windows over 2 ranks with batches of 2: rank 0 has 3, rank 1
+    has 2; both must call the model twice (rank 1 scores a spare window and drops it)."""
     torch.manual_seed(0)
     model = Transformer(SMALL).eval()
     calls = []
     model.register_forward_pre_hook(lambda m, args: calls.append(tuple(args[0].shape)))
-    stream = np.random.default_rng(0).integers(0, SMALL.vocab_size, size=3 * 16 + 6)
+    stream = token_stream([[5] * 14] * 5, 3)  # five documents of 15 targets, one window each
+    assert len(windows(stream, 3, 16)) == 5
     per_rank = []
     for r in (0, 1):
         calls.clear()
-        per_rank.append((evaluate_stream(model, stream, 16, 2, rank=r, world_size=2, metric=NLLSum()), list(calls)))
+        per_rank.append((evaluate_stream(model, stream, 16, 2, rank=r, world_size=2, metric=NLLSum(), eos_id=3,
+                                         document_masking=True), list(calls)))
     assert [len(c) for _, c in per_rank] == [2, 2]
-    assert [c[1][1] for _, c in per_rank] == [5, 5]  # both ran the short-window group
     assert per_rank[0][0][1] + per_rank[1][0][1] == len(stream) - 1  # the spare call scored nothing
+
+
+class TokenNLL(NLLSum):
+    """:class:`NLLSum` that also keeps every token's NLL, in scoring order."""
+
+    def __init__(self):
+        super().__init__()
+        self.per_token: list[float] = []
+
+    def update(self, token_nll):
+        super().update(token_nll)
+        self.per_token += token_nll.flatten().tolist()
+
+
+def test_a_document_scores_the_same_alone_or_packed_after_others():
+    """The document mask in evaluation (issue 25): each document's per-token NLL is the same, to
+    float tolerance, whether its ``[eos] doc [eos]`` is scored alone or packed after (and before)
+    other documents in one window, because attention stops at every eos as in training. Without
+    the mask (``eos_id=None``) the packed scores change: the check can fail."""
+    torch.manual_seed(0)
+    model = Transformer(SMALL).eval()
+    rng = np.random.default_rng(1)
+    docs = [rng.integers(4, SMALL.vocab_size, size=n).tolist() for n in (11, 23, 7, 17)]
+    alone = []
+    for d in docs:
+        metric = TokenNLL()
+        evaluate_stream(model, token_stream([d], 3), seq_len=64, metric=metric, eos_id=3, document_masking=True)
+        alone.append(metric.per_token)
+    packed, causal = TokenNLL(), TokenNLL()
+    stream = token_stream(docs, 3)
+    assert len(stream) - 1 <= 64, "one window holds every document"
+    evaluate_stream(model, stream, seq_len=64, metric=packed, eos_id=3, document_masking=True)
+    evaluate_stream(model, stream, seq_len=64, metric=causal, eos_id=3, document_masking=False)
+    torch.testing.assert_close(torch.tensor(packed.per_token), torch.tensor(sum(alone, [])), rtol=1e-5, atol=1e-5)
+    several = TokenNLL()  # smaller windows: whole documents per window, none cut, the same scores
+    evaluate_stream(model, stream, seq_len=30, metric=several, eos_id=3, document_masking=True, batch_size=1)
+    assert len(windows(stream, 3, 30)) > 1
+    # (longer windows are scored first: compare the scores in order of size)
+    torch.testing.assert_close(torch.tensor(sorted(several.per_token)), torch.tensor(sorted(sum(alone, []))),
+                               rtol=1e-5, atol=1e-5)
+    first = len(docs[0]) + 1  # the first document has nothing before it: the same either way
+    torch.testing.assert_close(torch.tensor(causal.per_token[:first]), torch.tensor(alone[0]), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(torch.tensor(causal.per_token[first:]), torch.tensor(sum(alone[1:], [])), atol=1e-3)
+
+
+def test_scripts_and_callbacks_score_with_the_mask_the_model_trained_with(tmp_path):
+    """evaluate_documents (scripts/evaluate.py's scoring) and score_slices (the random twin and the
+    n-gram comparison) give a packed stream the sum of its documents scored one at a time."""
+    torch.manual_seed(0)
+    model = Transformer(SMALL).eval()
+    tok = CharTokenizer()
+    docs = ["first document, short", "দ্বিতীয়টি একটু লম্বা", "third"]
+    packed = evaluate_documents(model, tok, docs, seq_len=64)
+    one_by_one = sum(evaluate_documents(model, tok, [d], seq_len=64).nll_sum for d in docs)
+    assert packed.nll_sum == pytest.approx(one_by_one, rel=1e-5)
+    assert evaluate_documents(model, tok, docs, seq_len=64, document_masking=False).nll_sum != \
+        pytest.approx(one_by_one, rel=1e-4)
+    from bnlit.evaluation.heldout import score_slices
+
+    stream = token_stream(tok.encode_batch(docs), tok.eos_id)
+    sliced = score_slices(model, {"x": (stream, 1, 1)}, 64, 2, eos_id=tok.eos_id, document_masking=True)["x"]
+    assert sliced.nll_sum == pytest.approx(one_by_one, rel=1e-5)
 
 
 def test_uniform_model_bits_per_char_is_log2_vocab_times_tokens_per_char():
@@ -144,7 +219,7 @@ def test_twin_nll_is_near_ln_vocab_for_every_preset(name):
     cfg = preset(name)
     twin = twin_model(cfg, seed=1234)
     stream = np.random.default_rng(0).integers(4, cfg.vocab_size, size=65)  # 64 predictions
-    nll, tokens = evaluate_stream(twin, stream, seq_len=64)
+    nll, tokens = evaluate_stream(twin, stream, seq_len=64, eos_id=3, document_masking=True)
     ratio = nll / tokens / uniform_nll(cfg.vocab_size)
     assert abs(ratio - 1) < 0.15, f"{name}: twin NLL is {ratio:.3f} x ln(V)"
 
@@ -255,6 +330,8 @@ def test_score_is_the_length_normalised_continuation_loglik():
     model = Transformer(SMALL).eval()
     ctx, cont = encode_pair(tok, "The cat ", "sat.")
     assert tok.decode(ctx) == "The cat" and tok.decode(cont) == " sat."  # trailing space moves
+    ctx, cont = encode_pair(tok, "Question:\n", "yes")  # any trailing whitespace, as lm-eval moves it
+    assert tok.decode(ctx) == "Question:" and tok.decode(cont) == "\nyes"
     ids = [tok.eos_id] + ctx + cont
     with torch.no_grad():
         logp = F.log_softmax(model(torch.tensor(ids[:-1])[None])[0], -1)

@@ -126,6 +126,32 @@ def test_evaluate_reports_baselines_and_contamination(healthy_run, tmp_path, cap
     assert "bigram" in text and "of 13-grams in training" in text and "learned context" in text
 
 
+def test_evaluate_scores_each_document_as_if_alone(healthy_run, tmp_path, capsys):
+    """scripts/evaluate.py packs documents into windows with the training's document mask (saved in
+    the checkpoint): its NLL is the sum of each document scored on its own."""
+    import torch
+
+    from bnlit.checkpointing import load_model
+    from bnlit.evaluation.heldout import evaluate_documents
+
+    cfg, _ = healthy_run
+    ckpt = Path(cfg.paths.output_dir) / "checkpoints" / "last.ckpt"
+    assert torch.load(ckpt, map_location="cpu", weights_only=False)["document_masking"] is True
+    docs = ["আমার সোনার বাংলা, আমি তোমায় ভালোবাসি।", "চিরদিন তোমার আকাশ, তোমার বাতাস।", "A third one, in English."]
+    held_out = tmp_path / "docs.jsonl"
+    held_out.write_text("".join(json.dumps({"text": d}, ensure_ascii=False) + "\n" for d in docs), encoding="utf-8")
+    args = ["--checkpoint", str(ckpt), "--text", f"bn={held_out}", "--json", "--no-twin", "--no-contamination"]
+    assert script("evaluate").main(args) == 0
+    res = json.loads(capsys.readouterr().out)
+    model, tok, _ = load_model(ckpt)
+    alone = sum(evaluate_documents(model, tok, [d], seq_len=res["seq_len"]).nll_sum for d in docs)
+    assert res["document_masking"] is True
+    assert res["bn"]["nll_per_token"] * res["bn"]["tokens"] == pytest.approx(alone, rel=1e-5)
+    assert script("evaluate").main([*args, "--no-document-masking"]) == 0
+    causal = json.loads(capsys.readouterr().out)
+    assert causal["bn"]["nll_per_token"] * causal["bn"]["tokens"] != pytest.approx(alone, rel=1e-4)
+
+
 def test_starvation_alarm_trips_on_a_bangla_weight_of_one_percent(make_cfg):
     cfg = make_cfg("data.sources.0.weight=0.01", "data.sources.1.weight=0.99", "trainer.max_steps=16",
                    "callbacks.starvation.on_starved=raise", "callbacks.starvation.patience=2",

@@ -1,0 +1,89 @@
+"""Do other tools tokenize raw text as bnlit does? Per text file (one document per line, raw), the
+share of lines on which Hugging Face's ``AutoTokenizer`` on an export directory and llama.cpp on a
+GGUF file give exactly :meth:`bnlit.tokenizer.Tokenizer.encode`'s ids, with no bnlit call first,
+and on which their ``decode`` of bnlit's ids gives SentencePiece's text.
+
+    python scripts/tokenizer_parity.py --tokenizer RUN/tokenizer.model [--hf EXPORT_DIR] [--gguf FILE]
+                                       --text ben_Beng.dev --text eng_Latn.dev [--show 3] [--json]
+
+``--show N`` prints the first N differing lines of each file with the first differing pieces.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from bnlit.errors import BnlitError, ConfigError
+from bnlit.tokenizer import Tokenizer
+
+
+def read_lines(path: Path) -> list[str]:
+    if not path.is_file():
+        raise ConfigError(f"--text {path}: no such file")
+    return [line for line in path.read_text(encoding="utf-8").split("\n") if line]
+
+
+def compare(name: str, encode, decode, lines: list[str], want: list[list[int]], tok: Tokenizer, show: int) -> dict:
+    same = same_text = 0
+    shown = []
+    for line, ids in zip(lines, want):
+        got = encode(line)
+        if got == ids:
+            same += 1
+        elif len(shown) < show:
+            k = next((i for i, (a, b) in enumerate(zip(ids, got)) if a != b), min(len(ids), len(got)))
+            shown.append(f"  {name}: {json.dumps(line[:60], ensure_ascii=False)} at token {k}: bnlit "
+                         f"{[tok.sp.id_to_piece(i) for i in ids[k:k + 3]]} vs {got[k:k + 3]}")
+        same_text += decode(ids) == tok.decode(ids)
+    return {"lines": len(lines), "same_ids": same, "same_decode": same_text, "examples": shown}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokenizer", required=True, type=Path, help="the run's tokenizer.model (or an export's)")
+    p.add_argument("--hf", type=Path, help="a Hugging Face export directory (scripts/export_hf.py)")
+    p.add_argument("--gguf", type=Path, help="a GGUF file (scripts/export_gguf.py; needs the serve extra)")
+    p.add_argument("--text", action="append", type=Path, required=True, help="raw text, one document per line")
+    p.add_argument("--show", type=int, default=3, help="differing lines to print per file and tool")
+    p.add_argument("--json", action="store_true", help="print one JSON object per text file and tool")
+    args = p.parse_args(argv)
+    try:
+        tok = Tokenizer(args.tokenizer)
+        tools = {}
+        if args.hf:
+            from transformers import AutoTokenizer
+
+            hf = AutoTokenizer.from_pretrained(args.hf)
+            tools["hf"] = (hf.encode, hf.decode)
+        if args.gguf:
+            from bnlit.serving import LlamaCppLM
+
+            lm = LlamaCppLM(args.gguf, vocab_only=True)
+            tools["llama.cpp"] = (lm.encode_raw, lm.decode)
+        if not tools:
+            raise ConfigError("nothing to compare: pass --hf EXPORT_DIR and/or --gguf FILE")
+        out = {}
+        for path in args.text:
+            lines = read_lines(path)
+            want = tok.encode_batch(lines)
+            out[str(path)] = {name: compare(name, enc, dec, lines, want, tok, args.show)
+                              for name, (enc, dec) in tools.items()}
+    except BnlitError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    if args.json:
+        print(json.dumps(out, indent=2, ensure_ascii=False))
+        return 0
+    for path, rows in out.items():
+        for name, r in rows.items():
+            print(f"{path}: {name} gives bnlit's ids on {r['same_ids']}/{r['lines']} raw lines, "
+                  f"decodes bnlit's ids to SentencePiece's text on {r['same_decode']}/{r['lines']}")
+            print("\n".join(r["examples"]) if r["examples"] else "", end="\n" if r["examples"] else "")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
