@@ -1019,7 +1019,22 @@ def failure_report(check: str, step: int, findings: list[dict], payload: dict, p
         problems[f["parameter"]] = f"{problems[f['parameter']]}; {line}" if f["parameter"] in problems else line
     report = {**payload, "step": step, "check": check, "ok": False, "findings": findings, "problems": problems}
     lines = "; ".join(f"{name} {why}" for name, why in problems.items())
-    return report, f"{check} failed at step {step} for {len(problems)} parameter(s): {lines}. Full report: {path}"
+    return report, (f"{check} failed at step {step} for {len(problems)} parameter(s): {lines}. Full report: {path}"
+                    f"{parity_alarm_hint(findings)}")
+
+
+PARITY_OFF = "callbacks.gradient_flow.fast_path_parity=false"
+
+
+def parity_alarm_hint(findings: Sequence[Mapping]) -> str:
+    """The line a failure adds when the fast-path parity probe is its only finding: every other
+    gradient check passed that step, so the disagreement may be the probe's own false alarm (bf16
+    rounding on small gradients, e.g. the first check after a resume; docs/gradient-flow.md) rather
+    than a broken fast path. Empty when any other check failed too."""
+    if not findings or any(f.get("category") != "fast_path_parity" for f in findings):
+        return ""
+    return (". Every other gradient check passed at this step, so this may be a false alarm of the parity probe "
+            f"(bf16 rounding of small gradients; docs/gradient-flow.md): rerun with {PARITY_OFF} to switch it off.")
 
 
 def parity_probe(module: nn.Module, batch, settings: ArbiterSettings, fast_context, reduce: Reduce | None,

@@ -396,8 +396,10 @@ def test_bf16_mixed_run_passes_with_parity(tmp_path, caplog):
 
 def test_fast_path_fault_stops_a_bf16_run_at_step_1(tmp_path):
     model = plant(tiny(), "layers.0.attention.wq", FastPathLinear)
-    with pytest.raises(GradientFlowError, match=r"step 1 .*model\.layers\.0\.attention\.wq\.weight \[fast_path_parity\] fast-path gradient"):
+    with pytest.raises(GradientFlowError, match=r"step 1 .*model\.layers\.0\.attention\.wq\.weight \[fast_path_parity\] fast-path gradient") as e:
         fit(model, callbacks=[GradientFlowArbiter()], tmp_path=tmp_path, precision="bf16-mixed")
+    # the only finding is the probe's: the message says it may be a false alarm and how to switch it off
+    assert "may be a false alarm" in str(e.value) and "callbacks.gradient_flow.fast_path_parity=false" in str(e.value)
     report = json.loads((tmp_path / "checkpoints" / "gradient_flow.json").read_text())
     assert not report["ok"] and list(report["problems"]) == ["model.layers.0.attention.wq.weight"]
 
@@ -548,3 +550,12 @@ def test_arbiter_state_schedule_without_a_trainer():
     state.parity_done = True
     assert not state.parity_due(2) and state.parity_due(3)
     assert not gf.ArbiterState(state.settings, sharded=True).parity_due(1)  # FSDP: no eager reference
+
+
+def test_parity_alarm_hint_only_when_parity_is_the_only_finding():
+    parity = dict(category="fast_path_parity", parameter="w", message="disagrees")
+    other = dict(category="vanishing", parameter="v", message="small")
+    assert gf.PARITY_OFF in gf.parity_alarm_hint([parity]) and "false alarm" in gf.parity_alarm_hint([parity])
+    assert gf.parity_alarm_hint([parity, other]) == "" and gf.parity_alarm_hint([]) == ""
+    _, message = gf.failure_report("gradient-flow check", 3, [parity, other], {}, "r.json")
+    assert "false alarm" not in message and message.endswith("Full report: r.json")
