@@ -37,6 +37,7 @@ import errno
 import logging
 import os
 import pickle
+import shutil
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -67,7 +68,13 @@ def tmp_name(path: Path) -> Path:
 
 def checkpoint_step(path: str | os.PathLike) -> int | None:
     """The ``global_step`` saved in a checkpoint, or ``None`` when the file is not a complete
-    checkpoint. Tensors are memory-mapped, not read: this costs milliseconds even for a 1b model."""
+    checkpoint. Tensors are memory-mapped, not read: this costs milliseconds even for a 1b model.
+    A sharded (DCP) directory counts only when complete (:func:`sharded_complete`); its step is
+    read from rank 0's ``meta.pt``, not from the shards."""
+    if Path(path).is_dir():
+        if not sharded_complete(path):
+            return None
+        path = Path(path) / SHARDED_MARKERS[-1]
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception:  # truncated zip, foreign pickle, a directory, a vanished file: not complete
@@ -77,10 +84,10 @@ def checkpoint_step(path: str | os.PathLike) -> int | None:
 
 
 def checkpoint_steps(checkpoint_dir: Path) -> dict[Path, int]:
-    """``{file: global_step}`` of the complete ``*.ckpt`` files in ``checkpoint_dir``."""
+    """``{path: global_step}`` of the complete ``*.ckpt`` files and sharded directories in ``checkpoint_dir``."""
     if not checkpoint_dir.is_dir():
         return {}
-    steps = {p: checkpoint_step(p) for p in sorted(checkpoint_dir.glob("*.ckpt")) if p.is_file()}
+    steps = {p: checkpoint_step(p) for p in sorted(checkpoint_dir.glob("*.ckpt"))}
     return {p: s for p, s in steps.items() if s is not None}
 
 
@@ -133,7 +140,10 @@ def adopt_step_checkpoints(callback: Any, checkpoint_dir: Path, global_step: int
         callback.best_model_path, callback.best_model_score = newest, torch.tensor(known[newest])
     if delete:
         for p in drop:
-            Path(p).unlink(missing_ok=True)
+            if Path(p).is_dir():  # a sharded checkpoint
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                Path(p).unlink(missing_ok=True)
             log.info("save_top_k=%d: removed %s", callback.save_top_k, p)
     return drop
 
@@ -398,7 +408,13 @@ def prepare_resume(ckpt_path: str | None, checkpoint_dir: Path, overwrite: bool,
     ckpt_path = resolve_ckpt_path(ckpt_path, checkpoint_dir, overwrite)
     ckpt_io = AtomicCheckpointIO()
     if ckpt_path is not None:
-        checkpoint = read_checkpoint(ckpt_path)
+        if sharded_complete(ckpt_path):  # the model config is in meta.pt: do not gather the shards
+            checkpoint = torch.load(Path(ckpt_path) / SHARDED_MARKERS[-1], map_location="cpu", weights_only=True)
+            if not isinstance(checkpoint, dict) or "model_config" not in checkpoint:
+                raise CheckpointError(f"sharded checkpoint {ckpt_path} is not a bnlit training checkpoint "
+                                      "(its meta.pt has no model_config)")
+        else:
+            checkpoint = read_checkpoint(ckpt_path)
         check_resume(model_config, ckpt_path, checkpoint)
         if loads_through_checkpoint_io(strategy):
             ckpt_io.preload(ckpt_path, checkpoint)

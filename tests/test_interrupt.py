@@ -118,6 +118,32 @@ def test_newest_checkpoint_is_chosen_by_step_and_must_be_complete(tmp_path):
     assert newest_checkpoint(tmp_path / "missing") is None
 
 
+def test_a_sharded_checkpoint_counts_only_when_complete(tmp_path):
+    """A DCP directory (issue 28) is picked by step like a file, but not before rank 0's meta.pt
+    (written after DCP's .metadata) exists: an interrupted sharded save is never ckpt_path=last."""
+    import torch.distributed.checkpoint as dcp
+    save(tmp_path / "last.ckpt", 10)
+    for step in (40, 50):
+        dcp.save({"state_dict": {"w": torch.ones(3)}}, checkpoint_id=tmp_path / f"step{step:07d}.ckpt")
+    assert checkpoint_step(tmp_path / "step0000040.ckpt") is None  # shards and index, no meta.pt yet
+    assert newest_checkpoint(tmp_path) == tmp_path / "last.ckpt"
+    torch.save({"global_step": 40}, tmp_path / "step0000040.ckpt" / "meta.pt")
+    assert checkpoint_step(tmp_path / "step0000040.ckpt") == 40
+    assert newest_checkpoint(tmp_path) == tmp_path / "step0000040.ckpt"
+    from bnlit.checkpointing import prepare_resume
+    from bnlit.errors import CheckpointError
+    from bnlit.model import ModelConfig
+    with pytest.raises(CheckpointError, match="its meta.pt has no model_config"):
+        prepare_resume("last", tmp_path, False, ModelConfig(), strategy=None)
+    torch.save({"global_step": 40, "model_config": {**ModelConfig().to_dict(), "dim": 8}},
+               tmp_path / "step0000040.ckpt" / "meta.pt")
+    with pytest.raises(CheckpointError, match="of another shape"):  # checked from meta.pt alone
+        prepare_resume("last", tmp_path, False, ModelConfig(), strategy=None)
+    torch.save({"global_step": 50}, tmp_path / "step0000050.ckpt" / "meta.pt")
+    (tmp_path / "step0000050.ckpt" / ".metadata").unlink()  # killed before DCP's index
+    assert newest_checkpoint(tmp_path) == tmp_path / "step0000040.ckpt"
+
+
 def test_resolve_last_names_a_dir_of_torn_files(tmp_path):
     from bnlit.errors import CheckpointError
 
