@@ -55,6 +55,8 @@ SMOKE: list[tuple[str, list[str], int | str]] = [
     ("slurm without the sweeps extra", [*TRAIN, "-m", "hydra/launcher=slurm", "trainer=multinode", "model=1b", "seed=1,2"],
      SWEEPS_EXTRA),
     ("production one-liner, composed", [*TRAIN, "model=400m", "trainer=h100", "--cfg", "job"], 0),
+    ("FSDP on an A100 node, composed", [*TRAIN, "model=1b", "trainer=fsdp", "hardware=a100", "--cfg", "job"], 0),
+    ("one B200, composed", [*TRAIN, "model=400m", "trainer=single", "hardware=b200", "--cfg", "job"], 0),
     ("production one-liner on a CPU machine", [*TRAIN, "model=400m", "trainer=h100"], r"debug=rehearsal"),
     ("hub data on a CPU machine", [*TRAIN, "model=400m", "data=bn_en_mix", "trainer=h100"], r"debug=rehearsal"),
     ("prepared hub data on a CPU machine", [*TRAIN, "model=400m", "data=bn_web", "trainer=h100"], r"debug=rehearsal"),

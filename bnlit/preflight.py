@@ -200,7 +200,7 @@ def check_model(cfg: DictConfig) -> None:
                               "e.g. 8192")
 
 
-PROFILE_HINT = "rehearse this profile on CPU with debug=rehearsal, or train on CPU with trainer=cpu"
+PROFILE_HINT = "rehearse this profile on CPU with debug=rehearsal, or train on CPU with trainer=cpu hardware=cpu"
 
 
 def check_hardware(cfg: DictConfig) -> None:

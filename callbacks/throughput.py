@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import lightning as L
@@ -28,6 +28,7 @@ from bnlit.speed.throughput import (
     hardware_metrics,
     peak_memory_gib,
     precision_dtype,
+    profile_mismatch,
     refresh_peak,
     resolve_peak,
     throughput_metrics,
@@ -43,18 +44,24 @@ class ThroughputMonitor(Callback):
     window_steps: optimizer steps the rates are averaged over.
     log_every_n_steps: log (and sync CUDA) every this many optimizer steps; None: the Trainer's.
     peak_tflops: use this peak instead of the table or a measurement (new hardware, tests).
+    hardware: the ``hardware=`` profile's ``hardware`` node (name, table_key, peak_tflops;
+        ``conf/hardware/*.yaml``): its peak stands in for a CUDA device the table does not know by
+        name, a run on another device than the profile's is warned about, and the ``fast path:``
+        line names it (on a CPU rehearsal too, beside the measured peak the CPU run uses).
     clock: the timer (``time.perf_counter``; tests inject a fake one).
     **floor: those of :class:`bnlit.speed.throughput.MFUFloor` (min_mfu_pct, cpu_min_mfu_pct,
         warmup_steps, patience, on_low_mfu), kept as ``self.floor``.
     """
 
     def __init__(self, window_steps: int = 50, log_every_n_steps: int | None = None, peak_tflops: float | None = None,
-                 clock: Callable[[], float] = time.perf_counter, **floor: Any):
+                 hardware: Mapping[str, Any] | None = None, clock: Callable[[], float] = time.perf_counter,
+                 **floor: Any):
         if log_every_n_steps is not None and log_every_n_steps < 1:
             raise ConfigError(f"callbacks.throughput.log_every_n_steps={log_every_n_steps}: must be >= 1 or null")
         self.floor = MFUFloor(**floor)
         self.timer = StepTimer(window_steps, clock)
         self.log_every_n_steps, self.peak_tflops = log_every_n_steps, peak_tflops
+        self.hardware = dict(hardware) if hardware else None
         self.peak = None  # a bnlit.speed.throughput.Peak from fit start
         self.last: dict[str, float] = {}  # the latest logged figures
         self._fpt: dict[int, int] = {}
@@ -69,7 +76,10 @@ class ThroughputMonitor(Callback):
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         override = None if self.peak_tflops is None else self.peak_tflops * 1e12
-        self.peak = resolve_peak(pl_module.device, precision_dtype(trainer.precision), override)
+        self.peak = resolve_peak(pl_module.device, precision_dtype(trainer.precision), override, self.hardware)
+        mismatch = profile_mismatch(self.hardware, self.peak.device) if pl_module.device.type == "cuda" else None
+        if mismatch and trainer.is_global_zero:
+            rank_zero_warn(mismatch)
         self._config = getattr(getattr(pl_module, "model", None), "config", None)
         if self._config is None:
             rank_zero_warn("ThroughputMonitor: pl_module.model has no .config; logging tokens/s without TFLOP/s or MFU")

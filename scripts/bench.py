@@ -40,6 +40,46 @@ import tempfile
 import time
 from pathlib import Path
 
+# the variants beside raw and lightning: the default set, and those behind --variants / --all
+DEFAULT_VARIANTS = ("lightning_no_arbiter",)
+EXTRA_VARIANTS = ("lightning_arbiter_every_step", "lightning_masking_flipped", "lightning_chunked_loss",
+                  "lightning_fused_loss")
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The command line, built before torch and Lightning are imported (``--help`` answers at once)."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", action="store_true", help="print one JSON object (progress goes to stderr)")
+    ap.add_argument("--model", default=None, help="preset (CPU default: tiny; CUDA default: 400m)")
+    ap.add_argument("--seq-len", type=int, default=None, help="default: the config's (CPU 256, CUDA 2048)")
+    ap.add_argument("--batch-size", type=int, default=None, help="micro-batch; default: the config's")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed optimizer steps (CPU 5, CUDA 5)")
+    ap.add_argument("--steps", type=int, default=None, help="timed optimizer steps (CPU 40, CUDA 10)")
+    ap.add_argument("--reps", type=int, default=3, help="CPU: alternated repetitions")
+    ap.add_argument("--threads", type=int, default=None, help="CPU: torch threads")
+    ap.add_argument("--variants", type=lambda v: v.split(","), default=None,
+                    help="CPU: also these Lightning variants beside raw, lightning and lightning_no_arbiter "
+                         f"(comma-separated: {', '.join(EXTRA_VARIANTS)}); figures of the others are null")
+    ap.add_argument("--all", action="store_true", help="CPU: every variant (several minutes longer)")
+    ap.add_argument("--masking-pairs", type=int, default=0,
+                    help="CPU: optimizer steps per side of an interleaved masking on/off comparison (0: skip)")
+    ap.add_argument("--accumulate", type=int, default=None, help="CUDA: micro-batches per step (default: the config's)")
+    ap.add_argument("--cpu", action="store_true", help="run the CPU benchmark even if CUDA is available")
+    ap.add_argument("--override", action="append", default=[], help="extra Hydra override (repeatable); on CUDA "
+                    "e.g. --override module.loss_impl=fused --override module.sdpa_backend=cudnn")
+    ap.add_argument("--memory", action=argparse.BooleanOptionalAction, default=False,
+                    help="CPU: also measure the peak memory of the plain, chunked and fused loss (subprocesses)")
+    ap.add_argument("--memory-model", default="25m", help="CPU memory check: preset (default 25m)")
+    ap.add_argument("--memory-seq-len", type=int, default=512, help="CPU memory check: sequence length (default 512)")
+    ap.add_argument("--memory-batch-size", type=int, default=8, help="CPU memory check: micro-batch size (default 8)")
+    ap.add_argument("--memory-reps", type=int, default=2, help="repetitions of plain/chunked/fused, rotated")
+    ap.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
+    return ap
+
+
+if __name__ == "__main__":  # parse (and answer --help) before the heavy imports below
+    _parser().parse_args()
+
 import lightning as L
 import torch
 from hydra import compose, initialize_config_dir
@@ -225,12 +265,6 @@ def masking_interleaved(cfg: DictConfig, datamodule, warmup: int, pairs: int) ->
             "step_ms_masked": 1e3 * statistics.median(times[True]),
             "step_ms_causal": 1e3 * statistics.median(times[False]),
             "documents_per_window": statistics.mean(docs), "load_average_1m": os.getloadavg()[0]}
-
-
-# the variants beside raw and lightning: the default set, and those behind --variants / --all
-DEFAULT_VARIANTS = ("lightning_no_arbiter",)
-EXTRA_VARIANTS = ("lightning_arbiter_every_step", "lightning_masking_flipped", "lightning_chunked_loss",
-                  "lightning_fused_loss")
 
 
 def cpu_variants(masking_on: bool, have_arbiter: bool) -> dict[str, list[str]]:
@@ -541,33 +575,7 @@ def print_cpu(result: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", action="store_true", help="print one JSON object (progress goes to stderr)")
-    ap.add_argument("--model", default=None, help="preset (CPU default: tiny; CUDA default: 400m)")
-    ap.add_argument("--seq-len", type=int, default=None, help="default: the config's (CPU 256, CUDA 2048)")
-    ap.add_argument("--batch-size", type=int, default=None, help="micro-batch; default: the config's")
-    ap.add_argument("--warmup", type=int, default=None, help="untimed optimizer steps (CPU 5, CUDA 5)")
-    ap.add_argument("--steps", type=int, default=None, help="timed optimizer steps (CPU 40, CUDA 10)")
-    ap.add_argument("--reps", type=int, default=3, help="CPU: alternated repetitions")
-    ap.add_argument("--threads", type=int, default=None, help="CPU: torch threads")
-    ap.add_argument("--variants", type=lambda v: v.split(","), default=None,
-                    help="CPU: also these Lightning variants beside raw, lightning and lightning_no_arbiter "
-                         f"(comma-separated: {', '.join(EXTRA_VARIANTS)}); figures of the others are null")
-    ap.add_argument("--all", action="store_true", help="CPU: every variant (several minutes longer)")
-    ap.add_argument("--masking-pairs", type=int, default=0,
-                    help="CPU: optimizer steps per side of an interleaved masking on/off comparison (0: skip)")
-    ap.add_argument("--accumulate", type=int, default=None, help="CUDA: micro-batches per step (default: the config's)")
-    ap.add_argument("--cpu", action="store_true", help="run the CPU benchmark even if CUDA is available")
-    ap.add_argument("--override", action="append", default=[], help="extra Hydra override (repeatable); on CUDA "
-                    "e.g. --override module.loss_impl=fused --override module.sdpa_backend=cudnn")
-    ap.add_argument("--memory", action=argparse.BooleanOptionalAction, default=False,
-                    help="CPU: also measure the peak memory of the plain, chunked and fused loss (subprocesses)")
-    ap.add_argument("--memory-model", default="25m", help="CPU memory check: preset (default 25m)")
-    ap.add_argument("--memory-seq-len", type=int, default=512, help="CPU memory check: sequence length (default 512)")
-    ap.add_argument("--memory-batch-size", type=int, default=8, help="CPU memory check: micro-batch size (default 8)")
-    ap.add_argument("--memory-reps", type=int, default=2, help="repetitions of plain/chunked/fused, rotated")
-    ap.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+    args = _parser().parse_args(argv)
     if args.memory_child:
         torch.set_num_threads(args.threads or 1)
         result = memory_child(args.memory_child, args.model, args.seq_len, args.batch_size)

@@ -325,7 +325,7 @@ BAD_VALUES = [
 if not torch.cuda.is_available():
     BAD_VALUES.append((["trainer.accelerator=gpu"], "trainer.accelerator=gpu: this machine has no GPU (" + (
         "a CPU-only torch build" if torch.version.cuda is None else "no CUDA device visible") + "); rehearse this "
-        "profile on CPU with debug=rehearsal, or train on CPU with trainer=cpu"))
+        "profile on CPU with debug=rehearsal, or train on CPU with trainer=cpu hardware=cpu"))
 
 
 @pytest.fixture(scope="module")

@@ -100,6 +100,22 @@ def test_fast_path_line_reads_the_live_objects():
                         "strategy=single device (cpu), accumulate=1, workers=1 (prefetch 3)")
 
 
+def test_fast_path_names_the_peak_and_the_hardware_profile():
+    from types import SimpleNamespace
+
+    from bnlit.speed.fast_path import peak_part
+    from bnlit.speed.throughput import Peak
+
+    a100 = {"name": "a100", "peak_tflops": {"bf16": 312, "fp32": 156}}
+    on_gpu = SimpleNamespace(hardware=a100, peak=Peak(312e12, "NVIDIA A100-SXM4-80GB", "a100",
+                                                      "NVIDIA A100 datasheet ...", measured=False))
+    assert peak_part([object(), on_gpu]) == "peak=312 TFLOP/s bf16 dense (a100 datasheet), hardware=a100"
+    rehearsal = SimpleNamespace(hardware=a100, peak=Peak(2.5e11, "cpu", "unknown", "measured", measured=True))
+    assert peak_part([rehearsal]) == ("peak=0.25 TFLOP/s measured (cpu bf16 matmul), "
+                                      "hardware=a100 (312 TFLOP/s bf16 dense on its GPU)")
+    assert peak_part([SimpleNamespace(hardware=None, peak=None)]) is None and peak_part([]) is None
+
+
 def test_fast_path_parts():
     model = tiny()
     assert compile_part(model, fullgraph=True) == "eager (no torch.compile)"

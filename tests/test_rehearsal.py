@@ -8,6 +8,7 @@ on sharded parameters."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -91,6 +92,7 @@ def test_h100_rehearsal(tmp_path, cache_dir):
     out = run_cli(run, "model=tiny", "trainer=h100", "debug=rehearsal")
     log = assert_rehearsal(out, run, FAST_PATH + "strategy=single device (cpu), accumulate=16, workers=4 (prefetch 4, ")
     assert "fast-path parity (bf16-mixed, compiled)" in log
+    assert "hardware=h100 (989.5 TFLOP/s bf16 dense on its GPU)" in log
     assert sorted(metric(run, "train/loss")) == [0, 1, 2, 3]
     # scripts/gpu_check.py reads its train_h100 check from such a run dir
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
@@ -119,11 +121,14 @@ def test_fsdp_rehearsal_parity_and_resume(tmp_path, cache_dir):
     sharded run's step-2 checkpoint resumes with ``ckpt_path=last`` onto the same curve, on 2
     processes and on 1."""
     run = tmp_path / "fsdp" / "run"
-    out = run_cli(run, "model=tiny", "trainer=fsdp", "debug=rehearsal")
-    assert_rehearsal(out, run, "fast path: bf16-mixed autocast, torch.compile(fullgraph) x2 blocks + loss, fused AdamW, "
+    out = run_cli(run, "model=tiny", "trainer=fsdp", "hardware=a100", "debug=rehearsal")
+    log = assert_rehearsal(out, run, "fast path: bf16-mixed autocast, torch.compile(fullgraph) x2 blocks + loss, fused AdamW, "
                                "sdpa=cpu, attention=sdpa:flash (document mask), loss=chunked, "
                                "strategy=fsdp2(2, gloo), mesh=1x2 (replicate x shard), all-gather=bf16, "
                                "reduce-scatter=fp32, accumulate=2, workers=4")
+    # the device profile the line names: a measured CPU peak here, the A100's beside it
+    assert re.search(r"peak=[0-9.e+-]+ TFLOP/s measured \(cpu bf16 matmul\), hardware=a100 \(312 TFLOP/s bf16 dense on "
+                     r"its GPU\)$", next(l for l in log.splitlines() if "fast path: " in l))
 
     exact = ["trainer.precision=32-true", "module.compile=false", "data.num_workers=0", "validate_at_start=false"]
     one, two = tmp_path / "one" / "run", tmp_path / "two" / "run"

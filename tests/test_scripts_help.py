@@ -53,9 +53,8 @@ print(json.dumps({"help": out.getvalue(), "heavy": sorted(m for m in %r if m in 
 """ % (HEAVY,)
 
 
-# bench.py still imports torch and Lightning at its top (its Lightning callback class is defined at
-# module level); strict, so the test fails the day it passes and this mark must go
-PENDING = {"bench.py": "bench.py imports torch at module level (issue 26 item 6, open)"}
+# scripts whose --help still imports torch (strict: the test fails the day one passes, and its entry must go)
+PENDING: dict[str, str] = {}
 
 
 @pytest.mark.parametrize("script", [pytest.param(s, marks=pytest.mark.xfail(strict=True, reason=PENDING[s.name]))

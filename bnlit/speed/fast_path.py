@@ -2,12 +2,13 @@
 
 ``fast path: bf16-mixed autocast, torch.compile(fullgraph) x2 blocks + loss, fused AdamW, sdpa=flash,
 attention=sdpa:flash (causal), loss=chunked, strategy=fsdp2(16, nccl), mesh=2x8 (replicate x shard),
-all-gather=bf16, reduce-scatter=fp32, accumulate=16, workers=4 (prefetch 4, pinned)``
+all-gather=bf16, reduce-scatter=fp32, accumulate=16, workers=4 (prefetch 4, pinned),
+peak=312 TFLOP/s bf16 dense (a100 datasheet), hardware=a100``
 
 Every part is read from the live objects after the strategy has set up the model (precision
 plugin, compiled submodules, the optimizer's own defaults, torch's SDPA switches, the process
-group, the sharded parameters and their FSDP units, the train loader), never from config
-strings, so a switch that did not take effect cannot appear as on. Where the device cannot do what was asked (flash SDPA or pinned memory on a CPU),
+group, the sharded parameters and their FSDP units, the train loader, the peak the throughput
+callback resolved for the device), never from config strings, so a switch that did not take effect cannot appear as on. Where the device cannot do what was asked (flash SDPA or pinned memory on a CPU),
 the part says what was asked and what runs instead.
 """
 
@@ -136,6 +137,28 @@ def loader_part(loader) -> str:
     return out + (f" ({', '.join(extras)})" if extras else "")
 
 
+def peak_part(callbacks) -> str | None:
+    """The peak MFU is measured against, as the throughput callback resolved it at fit start, and
+    the ``hardware=`` profile it came with (``peak=312 TFLOP/s bf16 dense (a100 datasheet),
+    hardware=a100``); on a CPU rehearsal of a GPU profile, the measured CPU peak and the profile's."""
+    monitor = next((c for c in callbacks if hasattr(c, "hardware") and getattr(c, "peak", None) is not None), None)
+    if monitor is None:
+        return None
+    peak, profile = monitor.peak, monitor.hardware or {}
+    if peak.measured:
+        out = f"peak={peak.flops / 1e12:.3g} TFLOP/s measured ({peak.device} {peak.dtype} matmul)"
+    else:
+        origin = f"{peak.key} datasheet" if peak.source.startswith("NVIDIA") else peak.source
+        out = f"peak={peak.flops / 1e12:.4g} TFLOP/s {peak.dtype} dense ({origin})"
+    name = profile.get("name")
+    if not name:
+        return out
+    figure = (profile.get("peak_tflops") or {}).get(peak.dtype)
+    if peak.measured and figure is not None:
+        return out + f", hardware={name} ({figure:g} TFLOP/s {peak.dtype} dense on its GPU)"
+    return out + f", hardware={name}"
+
+
 def describe_fast_path(trainer, module) -> str:
     """The ``fast path: ...`` line of a run, from a Trainer whose fit has set up ``module``."""
     model = getattr(module, "model", module)
@@ -150,6 +173,7 @@ def describe_fast_path(trainer, module) -> str:
         *filter(None, [sharding_part(model)]),
         f"accumulate={trainer.accumulate_grad_batches}",
         loader_part(trainer.train_dataloader),
+        *filter(None, [peak_part(trainer.callbacks)]),
     ]
     if getattr(model, "activation_checkpointing", False):
         parts.append("activation checkpointing")

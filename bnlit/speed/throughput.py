@@ -36,8 +36,9 @@ import resource
 import sys
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -80,6 +81,13 @@ class DevicePeak:
     pattern: str
     bf16_flops: float  # dense (no 2:4 sparsity), FP32 accumulate where the sheet distinguishes
     source: str
+    # dense TF32 tensor-core figure: fp32 matmuls on CUDA run as TF32 (train() sets
+    # torch.set_float32_matmul_precision("high")); None: not in the table, a 32-true run is measured
+    fp32_flops: float | None = None
+
+    def flops(self, dtype: torch.dtype) -> float | None:
+        """The peak for a run computing in ``dtype`` (bf16 and fp16 share the tensor-core figure)."""
+        return self.fp32_flops if dtype in (torch.float32, torch.float64) else self.bf16_flops
 
 
 _H100 = "NVIDIA H100 Tensor Core GPU datasheet, https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet"
@@ -92,16 +100,23 @@ _A10 = "NVIDIA A10 datasheet, https://www.nvidia.com/content/dam/en-zz/Solutions
 # of the normalised name, so "l4" never matches "l40s" and "a10" never matches "a100".
 PEAKS: tuple[DevicePeak, ...] = (
     DevicePeak("b200", r"\bb200\b", 4500e12 / 2,
-               "NVIDIA HGX B200 specifications (4.5 PFLOP/s sparse per GPU), https://www.nvidia.com/en-us/data-center/hgx/"),
+               "NVIDIA HGX B200 specifications (per GPU: BF16 4.5, TF32 2.2 PFLOP/s sparse), https://www.nvidia.com/en-us/data-center/hgx/",
+               2200e12 / 2),
     DevicePeak("gh200", r"\bgh200\b", 1979e12 / 2,
-               "NVIDIA GH200 Grace Hopper datasheet (1,979 TFLOP/s sparse), https://resources.nvidia.com/en-us-grace-cpu/grace-hopper-superchip"),
-    DevicePeak("h200-nvl", r"\bh200\b.*\bnvl\b", 1671e12 / 2, _H200 + " (H200 NVL: 1,671 TFLOP/s sparse)"),
-    DevicePeak("h200-sxm", r"\bh200\b", 1979e12 / 2, _H200 + " (H200 SXM: 1,979 TFLOP/s sparse)"),
-    DevicePeak("h100-nvl", r"\bh100\b.*\bnvl\b", 1671e12 / 2, _H100 + " (H100 NVL: 1,671 TFLOP/s sparse)"),
-    DevicePeak("h100-pcie", r"\bh100\b.*\b(pcie|hbm2e)\b", 1513e12 / 2, _H100 + " (H100 PCIe: 1,513 TFLOP/s sparse)"),
+               "NVIDIA GH200 Grace Hopper datasheet (BF16 1,979, TF32 989 TFLOP/s sparse), https://resources.nvidia.com/en-us-grace-cpu/grace-hopper-superchip",
+               989e12 / 2),
+    DevicePeak("h200-nvl", r"\bh200\b.*\bnvl\b", 1671e12 / 2, _H200 + " (H200 NVL: BF16 1,671, TF32 835 TFLOP/s sparse)",
+               835e12 / 2),
+    DevicePeak("h200-sxm", r"\bh200\b", 1979e12 / 2, _H200 + " (H200 SXM: BF16 1,979, TF32 989 TFLOP/s sparse)",
+               989e12 / 2),
+    DevicePeak("h100-nvl", r"\bh100\b.*\bnvl\b", 1671e12 / 2, _H100 + " (H100 NVL: BF16 1,671, TF32 835 TFLOP/s sparse)",
+               835e12 / 2),
+    DevicePeak("h100-pcie", r"\bh100\b.*\b(pcie|hbm2e)\b", 1513e12 / 2, _H100 + " (H100 PCIe: BF16 1,513, TF32 756 TFLOP/s sparse)",
+               756e12 / 2),
     # "NVIDIA H100 80GB HBM3" is the SXM5 part; a name without a form factor is taken as SXM too
-    DevicePeak("h100-sxm", r"\bh100\b", 1979e12 / 2, _H100 + " (H100 SXM: 1,979 TFLOP/s sparse)"),
-    DevicePeak("a100", r"\ba100\b", 312e12, _A100 + " (BF16 312 TFLOP/s dense)"),
+    DevicePeak("h100-sxm", r"\bh100\b", 1979e12 / 2, _H100 + " (H100 SXM: BF16 1,979, TF32 989 TFLOP/s sparse)",
+               989e12 / 2),
+    DevicePeak("a100", r"\ba100\b", 312e12, _A100 + " (BF16 312, TF32 156 TFLOP/s dense)", 156e12),
     DevicePeak("a30", r"\ba30\b", 165e12,
                "NVIDIA A30 datasheet (BF16 165 TFLOP/s dense), https://www.nvidia.com/en-us/data-center/products/a30-gpu/"),
     DevicePeak("a40", r"\ba40\b", 149.7e12,
@@ -154,9 +169,10 @@ class Peak:
     key: str  # table key, or "unknown" for a measured peak
     source: str
     measured: bool
+    dtype: str = "bf16"  # the figure's number format: bf16 (also fp16) or fp32 (TF32 on CUDA)
 
     def describe(self) -> str:
-        kind = "measured matmul peak" if self.measured else "datasheet dense bf16 peak"
+        kind = "measured matmul peak" if self.measured else f"datasheet dense {self.dtype} peak"
         return f"{self.flops / 1e12:.3g} TFLOP/s {kind} of {self.device} ({self.source})"
 
 
@@ -191,20 +207,56 @@ def measure_matmul_peak(device: torch.device | str = "cpu", dtype: torch.dtype =
     return _measured_matmul_flops(str(device), dtype, n, repeats, threads)
 
 
+def table_peak(key: str) -> DevicePeak:
+    """The table entry named ``key`` (``"a100"``, ``"h100-sxm"``...)."""
+    entry = next((p for p in PEAKS if p.key == key), None)
+    if entry is None:
+        raise KeyError(f"{key!r} is not in bnlit.speed.throughput.PEAKS; known: {', '.join(p.key for p in PEAKS)}")
+    return entry
+
+
+def profile_flops(profile: Mapping[str, Any] | None, dtype: torch.dtype) -> float | None:
+    """The dense peak (FLOP/s) a ``hardware=`` profile (``conf/hardware/*.yaml``'s ``hardware`` node:
+    name, table_key, peak_tflops.bf16/fp32) gives for ``dtype``, or None when it has none."""
+    figures = (profile or {}).get("peak_tflops") or {}
+    tflops = figures.get("fp32" if dtype in (torch.float32, torch.float64) else "bf16")
+    return None if tflops is None else float(tflops) * 1e12
+
+
+def profile_mismatch(profile: Mapping[str, Any] | None, device_name: str) -> str | None:
+    """A warning when a named GPU profile (``hardware=a100``) runs on another device (an H100), else
+    None. The generic ``gpu`` and ``cpu`` profiles match any device of their kind."""
+    name = str((profile or {}).get("name") or "")
+    if name in ("", "gpu", "cpu") or re.search(rf"\b{re.escape(name)}\b", normalize_device_name(device_name)):
+        return None
+    entry = lookup_peak(device_name)
+    against = f"the {entry.key} datasheet peak" if entry else "a measured matmul peak"
+    return (f"hardware={name} but this device is {device_name}: the run uses {name}'s settings and MFU is "
+            f"against {against}; pick this device's profile from conf/hardware/")
+
+
 def resolve_peak(device: torch.device | str, dtype: torch.dtype = torch.bfloat16,
-                 override_flops: float | None = None) -> Peak:
-    """The peak for ``device``: an explicit override, the datasheet table for a known CUDA device,
-    else a measured matmul peak in ``dtype`` (labelled measured)."""
+                 override_flops: float | None = None, profile: Mapping[str, Any] | None = None) -> Peak:
+    """The peak for ``device`` computing in ``dtype``: an explicit override, the datasheet table for
+    a known CUDA device, the ``hardware=`` profile's figure for a CUDA device the table does not
+    know by name, else a measured matmul peak in ``dtype`` (labelled measured; always on CPU)."""
     device = torch.device(device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     if override_flops is not None:
         return Peak(float(override_flops), name, "override", "configured peak_tflops", measured=False)
     entry = lookup_peak(name) if device.type == "cuda" else None
-    if entry is not None:
-        return Peak(entry.bf16_flops, name, entry.key, entry.source, measured=False)
+    kind = "fp32" if dtype in (torch.float32, torch.float64) else "bf16"
+    if entry is not None and entry.flops(dtype) is not None:
+        return Peak(entry.flops(dtype), name, entry.key, entry.source, measured=False, dtype=kind)
+    figure = profile_flops(profile, dtype) if device.type == "cuda" else None
+    if figure is not None:
+        key = str(profile.get("table_key") or profile.get("name"))
+        return Peak(figure, name, key, f"hardware={profile.get('name')} profile (conf/hardware/)", measured=False,
+                    dtype=kind)
     flops = measure_matmul_peak(device, dtype)
     dt = str(dtype).removeprefix("torch.")
-    return Peak(flops, name, UNKNOWN, f"measured: best 1024x1024 {dt} matmul on this machine", measured=True)
+    return Peak(flops, name, UNKNOWN, f"measured: best 1024x1024 {dt} matmul on this machine", measured=True,
+                dtype=kind)
 
 
 def refresh_peak(peak: Peak, device: torch.device | str, dtype: torch.dtype) -> Peak:

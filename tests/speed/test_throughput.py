@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import re
 from functools import partial
 
 import lightning as L
@@ -22,7 +23,9 @@ from bnlit.speed.throughput import (
     StepTimer,
     match_device,
     lookup_peak,
+    profile_mismatch,
     resolve_peak,
+    table_peak,
     throughput_stats,
 )
 from bnlit.train import train
@@ -70,6 +73,54 @@ def test_every_table_entry_is_dense_and_cited():
     # dense, not the datasheets' headline 2:4-sparse figures (1,979 / 1,671 / 1,513 / 624)
     assert lookup_peak("NVIDIA H100 80GB HBM3").bf16_flops < 1e15
     assert lookup_peak("NVIDIA A100-SXM4-80GB").bf16_flops == 312e12
+
+
+def _profiles():
+    import yaml
+
+    return {p.stem: yaml.safe_load(p.read_text())["hardware"] for p in sorted((CONF_DIR / "hardware").glob("*.yaml"))}
+
+
+def test_hardware_profiles_hold_the_peak_tables_figures():
+    """conf/hardware/<device>.yaml shows its peaks for a reader; bnlit.speed.throughput.PEAKS is the one
+    table the run looks devices up in. A figure changed in one place and not the other fails here."""
+    profiles = _profiles()
+    assert {"cpu", "gpu", "h100", "h200", "a100", "b200"} <= set(profiles)
+    for stem, hw in profiles.items():
+        assert hw["name"] == stem
+        if stem in ("cpu", "gpu"):
+            assert hw["table_key"] is None and hw["peak_tflops"] == {"bf16": None, "fp32": None}
+            continue
+        entry = table_peak(hw["table_key"])
+        assert re.search(entry.pattern, stem), (stem, entry.key)  # the profile is that device's entry
+        for dtype, flops in (("bf16", entry.bf16_flops), ("fp32", entry.fp32_flops)):
+            assert hw["peak_tflops"][dtype] * 1e12 == pytest.approx(flops), \
+                f"conf/hardware/{stem}.yaml peak_tflops.{dtype}: set it to {flops / 1e12:g} (PEAKS[{entry.key!r}])"
+
+
+def test_fp32_runs_use_the_tf32_figure_and_the_profile_covers_unnamed_gpus(monkeypatch):
+    names = {"a100": "NVIDIA A100-SXM4-80GB", "new": "NVIDIA Quantum X9"}
+    device = {"name": names["a100"]}
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: device["name"])
+    assert resolve_peak("cuda", torch.bfloat16).flops == 312e12
+    fp32 = resolve_peak("cuda", torch.float32)
+    assert fp32.flops == 156e12 and fp32.dtype == "fp32" and "dense fp32" in fp32.describe()
+    b200 = _profiles()["b200"]
+    device["name"] = names["new"]  # not in the table: the hardware= profile's figure, labelled as such
+    peak = resolve_peak("cuda", torch.bfloat16, profile=b200)
+    assert peak.flops == 2250e12 and not peak.measured and peak.source.startswith("hardware=b200 profile")
+    assert resolve_peak("cuda", torch.float32, profile=b200).flops == 1100e12
+    device["name"] = names["a100"]  # a named device: its own table entry wins over the profile's
+    assert resolve_peak("cuda", torch.bfloat16, profile=b200).flops == 312e12
+
+
+def test_a_profile_on_another_device_is_named():
+    a100 = {"name": "a100", "peak_tflops": {"bf16": 312, "fp32": 156}}
+    message = profile_mismatch(a100, "NVIDIA H100 80GB HBM3")
+    assert "hardware=a100" in message and "NVIDIA H100 80GB HBM3" in message and "h100-sxm" in message
+    assert profile_mismatch(a100, "NVIDIA A100-SXM4-40GB") is None
+    assert profile_mismatch({"name": "h100"}, "NVIDIA H100 PCIe") is None  # any H100 form factor
+    assert profile_mismatch({"name": "gpu"}, "NVIDIA L4") is None and profile_mismatch(None, "NVIDIA L4") is None
 
 
 def test_cpu_peak_is_measured_and_labelled():
