@@ -214,6 +214,8 @@ def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
             truncated or corrupt, or is not a bnlit checkpoint (no ``state_dict``/``model_config``).
     """
     path = Path(path)
+    if path.is_dir():
+        return _read_sharded(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist; pass the last.ckpt or step*.ckpt "
                               "of a bnlit.train run (paths.checkpoint_dir)")
@@ -228,6 +230,51 @@ def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {path} is not a bnlit training checkpoint (no state_dict/"
                               f"model_config; has {have}); pass a last.ckpt or step*.ckpt written by bnlit.train")
     return ckpt
+
+
+SHARDED_MARKERS = (".metadata", "meta.pt")  # DCP's index, then Lightning's meta.pt: written last
+
+
+def sharded_complete(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a complete sharded (torch DCP) checkpoint directory, as Lightning's
+    ``ModelParallelStrategy(save_distributed_checkpoint=True)`` writes it: DCP writes its ``.metadata``
+    index after every rank's shard, and rank 0 writes ``meta.pt`` (step, loops, data module, config)
+    after that; a directory lacking either is an interrupted save."""
+    path = Path(path)
+    return path.is_dir() and all((path / m).is_file() for m in SHARDED_MARKERS)
+
+
+def _read_sharded(path: Path) -> dict[str, Any]:
+    """A sharded checkpoint gathered into one full checkpoint dict on the CPU (one process, no
+    process group): the same keys a full-file ``last.ckpt`` has."""
+    if not sharded_complete(path):
+        missing = [m for m in SHARDED_MARKERS if not (path / m).is_file()]
+        raise CheckpointError(f"checkpoint {path} is a directory but not a complete sharded checkpoint "
+                              f"(no {', '.join(missing)}: an interrupted save); use an earlier step directory")
+    from lightning.fabric.utilities.load import _load_distributed_checkpoint
+    try:
+        ckpt = _load_distributed_checkpoint(path)
+    except Exception as e:  # noqa: BLE001 - DCP raises many types; one line naming the directory
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise CheckpointError(f"sharded checkpoint {path} cannot be read ({reason[:120]})") from None
+    if "state_dict" not in ckpt or "model_config" not in ckpt:
+        raise CheckpointError(f"sharded checkpoint {path} is not a bnlit training checkpoint "
+                              f"(no state_dict/model_config; has {sorted(ckpt)[:8]})")
+    return ckpt
+
+
+def consolidate(sharded: str | os.PathLike, out: str | os.PathLike) -> Path:
+    """Write a sharded checkpoint directory as one full ``.ckpt`` file (atomically), which every
+    bnlit tool and a full-file resume read."""
+    out = Path(out)
+    if out.exists():
+        raise CheckpointError(f"{out} exists; pass a new path")
+    ckpt = _read_sharded(Path(sharded))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tmp_name(out)
+    torch.save(ckpt, tmp)
+    os.replace(tmp, out)
+    return out
 
 
 def datamodule_key() -> str:

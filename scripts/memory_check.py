@@ -11,7 +11,7 @@ first creates the AdamW moments, so the second is the steady state) with torch's
 activations and temporaries) the way a caching allocator's ``max_memory_allocated`` does, without
 the allocator's rounding. One JSON line per case: estimate, measurement, ``measured/estimate`` and
 the measured breakdown. A GPU adds its allocator's block rounding and workspace on top; the
-CUDA figure is ``scripts/gpu_check.sh``'s ``peak_memory_gib``.
+CUDA figure is ``scripts/gpu_check.py``'s ``peak_memory_gib``.
 """
 
 from __future__ import annotations

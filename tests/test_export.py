@@ -240,3 +240,36 @@ def test_clis_on_a_trained_checkpoint(make_cfg, tmp_path, capsys):
     assert gen.main(args) == 0 and gen.main(args) == 0
     first, second = capsys.readouterr().out.strip().splitlines()[-2:]
     assert first == second and first.startswith("আমার")
+
+
+def test_sharded_checkpoint_reads_consolidates_and_refuses_incomplete(tokenizer, tmp_path, capsys):
+    """A DCP directory laid out as Lightning's ModelParallelStrategy(save_distributed_checkpoint=True)
+    writes it (written here by dcp.save in one process) loads like a full file, the one command
+    turns it into a full .ckpt, and a directory missing either completion file is refused."""
+    import torch.distributed.checkpoint as dcp
+
+    model = Transformer(ModelConfig(vocab_size=512, dim=32, n_layer=1, n_head=2, multiple_of=32, max_seq_len=16))
+    sd = {f"model.{k}": v.clone() for k, v in model.state_dict().items()}
+    sharded = tmp_path / "last.ckpt"
+    dcp.save({"state_dict": sd}, checkpoint_id=sharded)
+    (tmp_path / "partial").mkdir()
+    for f in sharded.iterdir():  # the shards without meta.pt: an interrupted save
+        (tmp_path / "partial" / f.name).write_bytes(f.read_bytes())
+    torch.save({"model_config": model.config.to_dict(), "global_step": 7,
+                "BnDataModule": {"tokenizer_model": tokenizer.model_bytes}}, sharded / "meta.pt")
+    ckpt = read_checkpoint(sharded)
+    assert ckpt["global_step"] == 7
+    for k, v in sd.items():
+        torch.testing.assert_close(ckpt["state_dict"][k], v, rtol=0, atol=0)
+    loaded, _, _ = load_model(sharded)  # what export_hf.py / export_gguf.py call
+    assert loaded.state_dict().keys() == model.state_dict().keys()
+    torch.testing.assert_close(loaded.state_dict()["tok_embeddings.weight"] if "tok_embeddings.weight" in sd else
+                               next(iter(loaded.state_dict().values())), next(iter(model.state_dict().values())))
+    with pytest.raises(CheckpointError, match=r"partial is a directory but not a complete sharded checkpoint \(no meta.pt"):
+        read_checkpoint(tmp_path / "partial")
+    full = tmp_path / "full.ckpt"
+    assert script("consolidate_checkpoint").main([str(sharded), str(full)]) == 0
+    again = read_checkpoint(full)
+    assert again["global_step"] == 7 and again["state_dict"].keys() == sd.keys()
+    assert script("consolidate_checkpoint").main([str(tmp_path / "partial"), str(tmp_path / "p.ckpt")]) == 2
+    assert "not a complete sharded checkpoint" in capsys.readouterr().err

@@ -89,7 +89,7 @@ def minhash_values(shingle_hashes, num_perm: int) -> np.ndarray:
     """MinHash values (``num_perm`` uint32) of a document's shingle hashes (xxh32 of each
     shingle): datasketch's ``affine32`` scheme with seed 1 (each hash pre-mixed with the
     MurmurHash3 finalizer, then ``a * h + b`` mod 2**32, the minimum per permutation), computed
-    on the whole array at once; tests/test_dedup.py checks it against datasketch's ``MinHash``."""
+    on the whole array at once; tests/data/test_dedup.py checks it against datasketch's ``MinHash``."""
     a, b = (np.asarray(x, dtype=np.uint32) for x in _permutations(num_perm))
     hv = np.asarray(shingle_hashes, dtype=np.uint64).astype(np.uint32)
     if hv.size == 0:

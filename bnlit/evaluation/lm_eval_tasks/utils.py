@@ -1,5 +1,5 @@
 """bnlit's held-out text and multiple-choice items as lm-evaluation-harness tasks (used with
-``lm_eval --include_path``; README "lm-evaluation-harness"). The files are read by bnlit's own readers,
+``lm_eval --include_path``; docs/evaluation.md "lm-evaluation-harness"). The files are read by bnlit's own readers,
 so a file means the same documents or items here as in ``scripts/evaluate.py``.
 
 A bnlit document is scored after the token that opens it in training, the end-of-document token
