@@ -195,24 +195,24 @@ def test_hub_dataset_without_network_through_a_run(cli, tmp_path, monkeypatch):
 @pytest.mark.slow  # trains a tokenizer and builds shards twice in a private cache
 def test_disk_full_while_writing_shards(cli, tmp_path, monkeypatch):
     cache = tmp_path / "cache"
-    real = shards._build_source
+    real = shards.block_checksums
     built = []
 
-    def full_disk(work, name, *a, **k):
-        if built:  # the second source's shard file hits a full disk
-            with open(work / f"{name}.train.bin", "ab") as f:
+    def full_disk(path, *a, **k):
+        if built:  # the shard file written after the first one hits a full disk
+            with open(path, "ab") as f:
                 f.write(b"\0" * 10)
-            raise OSError(errno.ENOSPC, "No space left on device", str(work / f"{name}.train.bin"))
-        built.append(name)
-        return real(work, name, *a, **k)
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        built.append(path)
+        return real(path, *a, **k)
 
-    monkeypatch.setattr(shards, "_build_source", full_disk)
+    monkeypatch.setattr(shards, "block_checksums", full_disk)
     code, err = cli(tmp_path / "r", f"paths.cache_dir={cache}")
     assert code == 2
     line = only_error(err)
     assert line.startswith("error: no space left on device writing ") and "free space under paths.cache_dir=" in line
     assert not list((cache / "shards").glob("*/index.json"))  # no half-built shard set looks finished
-    monkeypatch.setattr(shards, "_build_source", real)
+    monkeypatch.setattr(shards, "block_checksums", real)
     code, err = cli(tmp_path / "r2", f"paths.cache_dir={cache}", "trainer.max_steps=1")  # space freed: it completes
     assert code == 0, err
     assert len(list((cache / "shards").glob("*/index.json"))) == 1

@@ -469,7 +469,8 @@ def test_probe_at_400m_on_h100_settings_adds_one_gradient_copy_to_the_training_s
 
     info = model_info(["model=400m", "trainer=h100"])
     cfg = instantiate(OmegaConf.load(CONF_DIR / "model" / "400m.yaml").model.config)
-    arbiter = OmegaConf.load(CONF_DIR / "callbacks" / "gradient_flow.yaml").gradient_flow
+    # the arbiter's settings as a run composes them (the YAML over the class's schema)
+    arbiter = make_cfg("model=400m", "trainer=h100", tiny=False).callbacks.gradient_flow
     with FakeTensorMode():
         measured = probe_peak_bytes(cfg, arbiter.probe_samples, arbiter.probe_seq_len)
     reference = parity_probe_memory_bytes(cfg, arbiter.probe_samples, arbiter.probe_seq_len)["total"]
