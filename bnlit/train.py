@@ -157,7 +157,7 @@ def run(cfg: DictConfig) -> float | None:
             raise
         refuse(e.__cause__, cfg)
     except OSError as e:
-        if e.errno != errno.ENOSPC:
+        if e.errno not in STORAGE_ERRORS:
             raise
         print(f"error: {disk_full_message(e, cfg)}", file=sys.stderr, flush=True)
         sys.exit(2)
@@ -177,9 +177,18 @@ def optimized(metrics: dict[str, float], name: str | None) -> float | None:
     return metrics.get(name) if name else None
 
 
+# the write errors that mean the storage, not bnlit, refused: what it is, and what frees it
+STORAGE_ERRORS = {
+    errno.ENOSPC: ("no space left on device", "free space under"),
+    errno.EDQUOT: ("disk quota exceeded", "free space in your quota under"),
+    errno.EFBIG: ("file too large for this process's file-size limit (ulimit -f)", "raise the limit or move"),
+}
+
+
 def disk_full_message(e: OSError, cfg: DictConfig) -> str:
+    what, fix = STORAGE_ERRORS.get(e.errno, STORAGE_ERRORS[errno.ENOSPC])
     where = f" writing {e.filename}" if e.filename else ""
-    return (f"no space left on device{where}; free space under paths.cache_dir={cfg.paths.cache_dir} or "
+    return (f"{what}{where}; {fix} paths.cache_dir={cfg.paths.cache_dir} or "
             f"paths.output_dir={cfg.paths.output_dir} and rerun (shards and checkpoints are written to a "
             "temporary name and renamed, so earlier ones are intact)")
 

@@ -6,6 +6,7 @@ foreign run dir, hub without network) live in test_train.py and test_data.py."""
 from __future__ import annotations
 
 import errno
+import os
 import re
 import shutil
 import sys
@@ -216,6 +217,27 @@ def test_disk_full_while_writing_shards(cli, tmp_path, monkeypatch):
     code, err = cli(tmp_path / "r2", f"paths.cache_dir={cache}", "trainer.max_steps=1")  # space freed: it completes
     assert code == 0, err
     assert len(list((cache / "shards").glob("*/index.json"))) == 1
+
+
+@pytest.mark.parametrize("code, says", [
+    (errno.EFBIG, "error: file too large for this process's file-size limit (ulimit -f) writing {path}; "
+                  "raise the limit or move paths.cache_dir="),
+    (errno.EDQUOT, "error: disk quota exceeded writing {path}; free space in your quota under paths.cache_dir="),
+])
+def test_storage_refusals_other_than_a_full_disk_are_one_line(cli, tmp_path, monkeypatch, code, says):
+    """A file-size limit or a quota, raised where the run writes (here: the data build), ends in one
+    line that names what refused and its fix, exit 2; any other OSError still raises."""
+    import bnlit.train as entry
+
+    path = tmp_path / "cache" / "shards" / "x.train.bin"
+
+    def refused(cfg):
+        raise OSError(code, os.strerror(code), str(path))
+
+    monkeypatch.setattr(entry, "train", refused)
+    exit_code, err = cli(tmp_path / "r")
+    assert exit_code == 2
+    assert only_error(err).startswith(says.format(path=path))
 
 
 def test_disk_full_while_writing_a_checkpoint(cli, tmp_path, monkeypatch):
