@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # "measured" as a claim; not "is measured against", "a measured matmul", "logged as measured", "measured
 # figures" (what a page holds), "measured below" (a pointer)
 MEASURED = re.compile(r"(?<![\w_])(?<!as )(?<!a )(?<!else )[Mm]easured\b(?!\s+(?:against|below|as\s+above|figures?|at\)|\(cpu))|"
-                      r"[Mm]easurements? (?!\w*\])|load average|\bload [~<]?\d|\d+m \d\d?s\b|\d steps/s|"
+                      r"load average|\bload [~<]?\d|\d+m \d\d?s\b|\d steps/s|"
                       r"\d tokens/s|step[- ]time ratio|x the step time")
 NOT_A_MEASUREMENT = re.compile(r"not yet measured|[Nn]o GPU figure has been measured|not measured")
 FIGURE = re.compile(r"\d")
