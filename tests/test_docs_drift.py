@@ -1,8 +1,9 @@
 """The docs and comments cannot point at what does not exist: every repository path written in the
 README, docs/, conf/ comments and the code (``bnlit/x.py``, ``conf/model/tiny.yaml``,
 ``tests/data/test_dedup.py``...) exists, and every ``docs/<page>.md "Section"`` citation names a
-heading of that page. Config values the docs quote are checked in test_config/test_documented_commands;
-links and anchors inside the site by ``mkdocs build --strict`` (mkdocs.yml ``validation.links``)."""
+heading of that page. The config keys they name are checked in tests/test_docs_keys.py, the
+commands they show in tests/test_documented_commands.py; links and anchors inside the site by
+``mkdocs build --strict`` (mkdocs.yml ``validation.links``)."""
 
 from __future__ import annotations
 

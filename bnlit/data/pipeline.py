@@ -1,5 +1,5 @@
-"""The data build as datatrove pipelines: sources -> normalise -> filter -> deduplicate (exact,
-near; across sources) -> decontaminate -> tokenizer -> token shards.
+"""The data build as datatrove pipelines: sources -> normalise -> OCR debris -> filter ->
+deduplicate (exact, near; across sources) -> decontaminate -> tokenizer -> token shards.
 
 :func:`plan_data` fixes what is built and where (cache keys from the inputs, one task per
 contiguous piece of a source); :func:`stages` turns the plan into datatrove pipelines, one per
@@ -16,7 +16,7 @@ Stages and folders under ``<cache>/clean/<key>/`` (a stage is left out when its 
 =================  =======  ===========================================================
 stage              tasks    steps
 =================  =======  ===========================================================
-``read``           pieces   source reader, normalise, bnlit filters, JSONL writer
+``read``           pieces   source reader, normalise, OCR debris, bnlit filters, JSONL writer
                             (``filtered/``), exact-dedup and MinHash signatures
 ``dedup_find``     bands    datatrove ``ExactFindDedups`` + ``MinhashDedupBuckets``
 ``dedup_cluster``  1        :class:`~bnlit.data.steps.FirstSeenCluster`
@@ -52,6 +52,7 @@ from pathlib import Path
 from bnlit.data import filters as F
 from bnlit.data.decontam import DecontamConfig
 from bnlit.data.dedup import DedupConfig, lsh_bands
+from bnlit.data.ocr_debris import OcrDebrisConfig
 from bnlit.data.sources import Piece, Source, iter_documents
 from bnlit.data.steps import STATS_FILE  # noqa: F401 (the cleaning's "finished" mark, written by CleanStats)
 from bnlit.errors import ConfigError
@@ -62,11 +63,13 @@ DOCS = "docs"
 
 @dataclass
 class CleanConfig:
-    """``data.clean``: which stages run and their settings (``filters: null`` switches filtering
-    off; ``dedup.exact/near: false`` and ``decontam.enabled: false`` switch those off)."""
+    """``data.clean``: which stages run and their settings (``ocr_debris: null`` and ``filters:
+    null`` switch those steps off; ``dedup.exact/near: false`` and ``decontam.enabled: false``
+    switch those off)."""
 
     enabled: bool = True
     normalize: bool = True
+    ocr_debris: OcrDebrisConfig | None = field(default_factory=OcrDebrisConfig)
     filters: F.FilterConfig | None = field(default_factory=F.FilterConfig)
     dedup: DedupConfig = field(default_factory=DedupConfig)
     decontam: DecontamConfig = field(default_factory=DecontamConfig)
@@ -76,17 +79,20 @@ class CleanConfig:
         if d is None:
             return cls(enabled=False)
         d = dict(d)
-        known = {"enabled", "normalize", "filters", "dedup", "decontam"}
+        known = {"enabled", "normalize", "ocr_debris", "filters", "dedup", "decontam"}
         unknown = sorted(set(d) - known)
         if unknown:
             raise ConfigError(f"data.clean: unknown keys {unknown}; known: {sorted(known)}")
         return cls(enabled=d.get("enabled", True), normalize=d.get("normalize", True),
+                   ocr_debris=None if "ocr_debris" in d and d["ocr_debris"] is None
+                   else OcrDebrisConfig.from_dict(d.get("ocr_debris")),
                    filters=None if "filters" in d and d["filters"] is None else F.FilterConfig.from_dict(d.get("filters")),
                    dedup=DedupConfig.from_dict(d.get("dedup")),
                    decontam=DecontamConfig.from_dict(d.get("decontam")))
 
     def to_dict(self) -> dict:
         return {"enabled": self.enabled, "normalize": self.normalize,
+                "ocr_debris": self.ocr_debris.to_dict() if self.ocr_debris else None,
                 "filters": self.filters.to_dict() if self.filters else None,
                 "dedup": self.dedup.to_dict(), "decontam": self.decontam.to_dict()}
 
@@ -258,6 +264,7 @@ def _clean_stages(plan: Plan) -> list[Stage]:
 
     first_out = "filtered" if dedup else ("deduped" if decon else DOCS)
     read = [S.SourceReader(plan.pieces, plan.hf_cache)] + ([S.Normalize()] if cfg.normalize else [])
+    read += [S.OcrDebris(cfg.ocr_debris)] if cfg.ocr_debris is not None else []
     read += [S.QualityFilter(cfg.filters)]
     val_copy = [S.ValidationCopy(str(W / "val"), plan.val_fraction)] if decon else []
     read += (val_copy if not dedup else []) + [writer(first_out)]
@@ -341,10 +348,11 @@ def _lock(plan: Plan) -> Iterator[None]:
 
 
 def run_local(plan: Plan, workers: int = 1, quiet: bool = False,
-              on_group: Callable[[str, float], None] | None = None) -> None:
+              on_group: Callable[[str, float], None] | None = None,
+              on_stage: Callable[[str, float], None] | None = None) -> None:
     """Run what is missing of ``plan`` with datatrove's ``LocalPipelineExecutor``: ``workers``
     tasks at a time (1: in this process). ``on_group(group, seconds)`` is called as the clean,
-    tokenizer and shard stages finish."""
+    tokenizer and shard groups finish, ``on_stage(name, seconds)`` as each stage does."""
     import time
 
     from datatrove.executor.local import LocalPipelineExecutor
@@ -359,7 +367,10 @@ def run_local(plan: Plan, workers: int = 1, quiet: bool = False,
                                        logging_dir=str(st.logging_dir), depends=prev)
             ex.run()
             prev = ex
-            timing[st.group] = timing.get(st.group, 0.0) + time.perf_counter() - t
+            seconds = time.perf_counter() - t
+            timing[st.group] = timing.get(st.group, 0.0) + seconds
+            if on_stage is not None:
+                on_stage(st.name, seconds)
             if on_group is not None and (i + 1 == len(todo) or todo[i + 1].group != st.group):
                 on_group(st.group, timing[st.group])
 

@@ -41,6 +41,7 @@ def build_report(index: dict, clean: dict | None, shard_dir: str | os.PathLike |
             src["input"] = {"docs": c["input_docs"], "chars": c["input_chars"]}
             src["normalized_changed"] = c["normalized_changed"]
             src["dropped"] = {
+                "ocr_debris": c.get("ocr_debris"),
                 "filters": c["filters"],
                 "dedup": c["dedup"],
                 "decontam": c["decontam"],
@@ -89,6 +90,18 @@ def dropped_rows(report: dict) -> list[list]:
     return rows
 
 
+def ocr_debris_rows(report: dict) -> list[list]:
+    """(source, pages, dropped pages, their characters, stripped tokens, their characters) per source
+    the OCR debris step checked (bnlit/data/ocr_debris.py)."""
+    rows = []
+    for name, s in report["sources"].items():
+        d = (s.get("dropped") or {}).get("ocr_debris")
+        if d and d["pages"]:
+            rows.append([name, d["pages"], d["dropped_pages"], d["dropped_chars"], d["stripped_tokens"],
+                         d["stripped_chars"]])
+    return rows
+
+
 def stage_rows(report: dict) -> list[list]:
     return [[r["stage"], r["docs_in"], r["chars_in"], r["docs_out"], r["chars_out"], r.get("clusters"),
              round(r["seconds"], 2)] for r in report.get("stages", [])]
@@ -107,6 +120,7 @@ def decontam_rows(report: dict) -> list[list]:
 
 STAGE_COLUMNS = ["stage", "docs_in", "chars_in", "docs_out", "chars_out", "duplicate_clusters", "seconds"]
 LANGUAGE_COLUMNS = ["language", "split", "docs", "chars", "tokens", "chars_per_token"]
+OCR_DEBRIS_COLUMNS = ["source", "pages", "dropped_pages", "dropped_chars", "stripped_tokens", "stripped_chars"]
 DROPPED_COLUMNS = ["source", "stage", "reason", "docs", "chars"]
 DECONTAM_COLUMNS = ["eval_set", "docs", "too_short", "contaminated", "contamination_rate", "touched",
                     "train_docs_dropped", "train_docs_touched"]
@@ -130,6 +144,7 @@ def to_markdown(report: dict) -> str:
                        [[n, s.get("input", {}).get("docs"), s.get("input", {}).get("chars"), s["train"]["docs"],
                          s["val"]["docs"], s["train"]["chars"] + s["val"]["chars"]] for n, s in report["sources"].items()]),
              "## Cleaning stages\n", _md_table(STAGE_COLUMNS, stage_rows(report)),
+             "## OCR debris (pages = lines)\n", _md_table(OCR_DEBRIS_COLUMNS, ocr_debris_rows(report)),
              "## Dropped\n", _md_table(DROPPED_COLUMNS, dropped_rows(report)),
              "## Decontamination, per evaluation set\n", _md_table(DECONTAM_COLUMNS, decontam_rows(report))]
     return "\n".join(parts)
@@ -147,6 +162,8 @@ def log_report(trainer, report: dict) -> None:
 
     log_table(trainer, "data/languages", LANGUAGE_COLUMNS, language_rows(report))
     log_table(trainer, "data/dropped", DROPPED_COLUMNS, dropped_rows(report))
+    if ocr_debris_rows(report):
+        log_table(trainer, "data/ocr_debris", OCR_DEBRIS_COLUMNS, ocr_debris_rows(report))
     if report.get("stages"):
         log_table(trainer, "data/stages", STAGE_COLUMNS, stage_rows(report))
     if report["decontam"]:

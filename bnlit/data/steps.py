@@ -42,6 +42,8 @@ from datatrove.utils.word_tokenizers import WordTokenizer
 from bnlit.data import filters as F
 from bnlit.data.dedup import DedupConfig, canonical_words, lsh_bands, minhash_values, shingles
 from bnlit.data.normalize import normalize_text
+from bnlit.data.ocr_debris import STATS as DEBRIS_STATS
+from bnlit.data.ocr_debris import OcrDebrisConfig, clean_ocr_debris
 from bnlit.data.sources import Piece, iter_documents
 
 log = logging.getLogger(__name__)
@@ -114,6 +116,33 @@ class Normalize(PipelineStep):
                 if text != doc.text:
                     self.stat_update("changed")
                 doc.text = text
+            yield doc
+
+
+class OcrDebris(PipelineStep):
+    """:func:`bnlit.data.ocr_debris.clean_ocr_debris` on the documents of ``cfg.languages``: debris
+    pages dropped, page-edge numbers stripped. Counts the pages seen, dropped and their characters,
+    the tokens stripped and their characters, and the characters in and out of the documents it
+    checks (an emptied document goes on: the quality filter drops it as ``length:empty``)."""
+
+    type = "✂️ - FORMAT"
+    name = "🔢 bnlit OCR debris"
+
+    def __init__(self, cfg: OcrDebrisConfig):
+        super().__init__()
+        self.cfg = cfg
+
+    def run(self, data: DocumentsPipeline, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        for doc in data:
+            if doc.metadata["language"] in self.cfg.languages:
+                with self.track_time():
+                    text, counts = clean_ocr_debris(doc.text, self.cfg)
+                    self.stat_update("docs")
+                    self.stat_update("chars_in", value=len(doc.text))
+                    self.stat_update("chars_out", value=len(text))
+                    for k, v in counts.items():
+                        self.stat_update(k, value=v)
+                    doc.text = text
             yield doc
 
 
@@ -524,10 +553,11 @@ class CleanStats(PipelineStep):
             clusters = json.loads((plan.clean_dir / "minhash/remove/clusters.json").read_text())
         sources: dict[str, dict] = {}
         stage_rows = {k: dict.fromkeys(("docs_in", "chars_in", "docs_out", "chars_out", "seconds"), 0)
-                      for k in ("normalize", "filters", "dedup", "decontam")}
+                      for k in ("normalize", "ocr_debris", "filters", "dedup", "decontam")}
         for r, piece in enumerate(plan.pieces):
             s = sources.setdefault(piece.source.name, {
                 "language": piece.source.language, "input_docs": 0, "input_chars": 0, "normalized_changed": 0,
+                "ocr_debris": dict.fromkeys(DEBRIS_STATS, 0),
                 "filters": {"docs": {}, "chars": {}, "details": {}}, "kept_docs": 0, "kept_chars": 0,
                 "decontam": {"docs": 0, "chars": 0, "by_set": {}},
                 "dedup": {"exact": 0, "near": 0, "exact_cross": 0, "near_cross": 0, "chars": 0}})
@@ -536,6 +566,15 @@ class CleanStats(PipelineStep):
             s["input_docs"] += docs_in
             s["input_chars"] += chars_in
             s["normalized_changed"] += int(_total(read, Normalize.name, "changed"))
+            debris = read.get(OcrDebris.name, {})
+            for k in DEBRIS_STATS:
+                s["ocr_debris"][k] += int(debris[k].total) if k in debris else 0
+            cut = 0  # characters the OCR debris step took out before the filters
+            if cfg.ocr_debris is not None:
+                n = int(_total(read, OcrDebris.name, "docs"))
+                d_in, d_out = int(_total(read, OcrDebris.name, "chars_in")), int(_total(read, OcrDebris.name, "chars_out"))
+                _add(stage_rows["ocr_debris"], (n, d_in), (n, d_out), debris)
+                cut = d_in - d_out
             q = read.get(QualityFilter.name, {})
             for label, m in q.items():
                 if label.startswith("dropped_chars_"):
@@ -548,7 +587,7 @@ class CleanStats(PipelineStep):
                     s["filters"]["docs"][kind] = s["filters"]["docs"].get(kind, 0) + int(m.total)
             kept = (_count(read, QualityFilter.name), int(_total(read, QualityFilter.name, "doc_len")))
             _add(stage_rows["normalize"], (docs_in, chars_in), (docs_in, chars_in), read.get(Normalize.name))
-            _add(stage_rows["filters"], (docs_in, chars_in), kept, read.get(QualityFilter.name))
+            _add(stage_rows["filters"], (docs_in, chars_in - cut), kept, read.get(QualityFilter.name))
             if exact or near:
                 d = task_stats(logs / "dedup", r)
                 d_in = (_count(d, RankReader.name), int(_total(d, RankReader.name, "doc_len")))
@@ -584,7 +623,7 @@ class CleanStats(PipelineStep):
             summary = d.summary()
         rows = [{"stage": k, **v} for k, v in stage_rows.items()
                 if not (k == "dedup" and not (exact or near)) and not (k == "decontam" and not decon)
-                and not (k == "normalize" and not cfg.normalize)]
+                and not (k == "normalize" and not cfg.normalize) and not (k == "ocr_debris" and cfg.ocr_debris is None)]
         for row in rows:
             if row["stage"] == "dedup":
                 row["clusters"] = clusters["clusters"]

@@ -146,7 +146,7 @@ def test_prepare_builds_what_training_reads(make_cfg, tmp_path, capsys):
     assert stages(dm.plan()) == []  # a training run with the same config only reads
     dm.prepare_data()
     assert dm.shard_dir == done["shard_dir"]
-    assert [r["stage"] for r in dm.report["stages"]] == ["normalize", "filters", "dedup", "decontam"]
+    assert [r["stage"] for r in dm.report["stages"]] == ["normalize", "ocr_debris", "filters", "dedup", "decontam"]
 
 
 def test_slurm_executor_without_a_partition_is_refused_in_one_line(make_cfg):
