@@ -91,6 +91,19 @@ def fineweb2_reason(filters: list, text: str) -> str | None:
     return None
 
 
+def fineweb2_each(filters: list, text: str) -> dict[str, str | None]:
+    """Each FineWeb-2 filter's verdict on its own (None: kept), so a filter that drops everything
+    (FineWebQuality's line punctuation on OCR without punctuation) does not hide the others'."""
+    from datatrove.data import Document
+
+    out = {}
+    for f in filters:
+        result = f.filter(Document(text=text, id="x"))
+        ok, reason = result if isinstance(result, tuple) else (result, None)
+        out[f.name.split(" ", 1)[-1]] = None if ok else reason
+    return out
+
+
 def corpora(args) -> dict[str, list[str]]:
     books = embedded.bangla_documents()
     out = {"embedded books": books, "embedded book pages": [p for b in books for p in b.split("\n") if p.strip()]}
@@ -105,6 +118,7 @@ def compare(docs: list[str], cfg: FilterConfig, fw2: list, examples: int) -> dic
     docs = [t for t in (normalize_text(d) for d in docs) if t]
     ours = [filter_reason(t, "bn", cfg) for t in docs]
     theirs = [fineweb2_reason(fw2, t) for t in docs]
+    each = [fineweb2_each(fw2, t) for t in docs]
     only_ours = [(t, r) for t, r, f in zip(docs, ours, theirs) if r and not f]
     only_theirs = [(t, f) for t, r, f in zip(docs, ours, theirs) if f and not r]
     clip = lambda t: t[:240].replace("\n", " / ") + ("..." if len(t) > 240 else "")  # noqa: E731
@@ -121,6 +135,11 @@ def compare(docs: list[str], cfg: FilterConfig, fw2: list, examples: int) -> dic
         "kept_bnlit": sum(r is None for r in ours),
         "kept_fineweb2": sum(f is None for f in theirs),
         "kept_both": sum(r is None and f is None for r, f in zip(ours, theirs)),
+        "kept_by_each_fineweb2_filter": {name: sum(e[name] is None for e in each) for name in each[0]} if each else {},
+        "chars": sum(len(t) for t in docs),
+        "chars_kept_bnlit": sum(len(t) for t, r in zip(docs, ours) if r is None),
+        "chars_kept_fineweb2": sum(len(t) for t, f in zip(docs, theirs) if f is None),
+        "fineweb2_each_drops": dict(Counter(f"{n}:{r}" for e in each for n, r in e.items() if r)),
         "bnlit_drops": dict(Counter(r.split(":")[0] + ":" + r.split(":")[1] for r in ours if r)),
         "fineweb2_drops": dict(Counter(f for f in theirs if f)),
         "dropped_by_bnlit_kept_by_fineweb2": {"count": len(only_ours), "reasons": dict(Counter(r for _, r in only_ours)),
@@ -145,12 +164,19 @@ def main(argv=None) -> dict:
         print(json.dumps(result, indent=2, ensure_ascii=False))
         return result
     print(f"FineWeb-2 word splitting: {words}\n")
-    print("| corpus | documents | kept by bnlit | kept by FineWeb-2 ben_Beng | kept by both |")
-    print("|---|---|---|---|---|")
+    names = list(next(iter(result["corpora"].values()))["kept_by_each_fineweb2_filter"])
+    pct = lambda a, b: f"{100 * a / b:.0f}%" if b else "-"  # noqa: E731
+    print("| corpus | documents | kept by bnlit (chars) | kept by FineWeb-2 ben_Beng (chars) | kept by both | "
+          + " | ".join(f"kept by {n} alone" for n in names) + " |")
+    print("|---|---|---|---|---|" + "---|" * len(names))
     for name, r in result["corpora"].items():
-        print(f"| {name} | {r['docs']} | {r['kept_bnlit']} | {r['kept_fineweb2']} | {r['kept_both']} |")
+        each = r["kept_by_each_fineweb2_filter"]
+        print(f"| {name} | {r['docs']} | {r['kept_bnlit']} ({pct(r['chars_kept_bnlit'], r['chars'])}) | "
+              f"{r['kept_fineweb2']} ({pct(r['chars_kept_fineweb2'], r['chars'])}) | {r['kept_both']} | "
+              + " | ".join(str(each.get(n, "-")) for n in names) + " |")
     for name, r in result["corpora"].items():
-        print(f"\n## {name}\nbnlit drops: {r['bnlit_drops']}\nFineWeb-2 drops: {r['fineweb2_drops']}")
+        print(f"\n## {name}\nbnlit drops: {r['bnlit_drops']}\nFineWeb-2 drops: {r['fineweb2_drops']}\n"
+              f"FineWeb-2's filters each on its own drop: {r['fineweb2_each_drops']}")
         for key, label in (("dropped_by_bnlit_kept_by_fineweb2", "bnlit drops, FineWeb-2 keeps"),
                            ("dropped_by_fineweb2_kept_by_bnlit", "FineWeb-2 drops, bnlit keeps")):
             d = r[key]

@@ -5,7 +5,7 @@ books (normalised as the data build does) or on your own file (``.txt``: one doc
 separated paragraph; ``.jsonl``: a ``text`` field per line): the share of number tokens and
 digit characters; the pages (lines) above each number-token share, and their characters; the
 pages that start or end with a number token; then what the configured step drops and strips, and
-``--samples`` of the pages it drops. docs/data.md "OCR debris" quotes its output.
+``--samples`` of the pages it drops. docs/data.md "OCR debris: page numbers and tables" quotes its output.
 """
 
 from __future__ import annotations

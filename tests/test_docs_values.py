@@ -44,7 +44,7 @@ QUOTES: list[tuple[str, str, tuple[str, ...], Callable[[DictConfig], tuple]]] = 
     ("docs/throughput.md", r"micro-batch (\d+) x (\d+) accumulation at seq (\d+) \(~[\d.]+ GiB for `400m`",
      ("model=400m", "trainer=h100"),
      lambda c: (c.data.batch_size, c.trainer.accumulate_grad_batches, c.data.seq_len)),
-    ("docs/getting-started.md", r"default \((\d+) steps of (\d+) x (\d+) tokens, validation every (\d+) steps\)", (),
+    ("docs/getting-started.md", r"default \((\d+) steps of (\d+) x (\d+) tokens, validation every (\d+) steps[;)]", (),
      lambda c: (c.trainer.max_steps, c.data.batch_size, c.data.seq_len, c.trainer.val_check_interval)),
     ("docs/getting-started.md", r"tokenizer \((\d+) (\w+) pieces\)", (),
      lambda c: (c.model.config.vocab_size, str(c.tokenizer.model_type).upper())),

@@ -9,7 +9,7 @@ is a whitespace token made of digits (any script: ০-৯, 0-9) and number punct
   tokens is above it is dropped (tables, figure and illustration pages whose OCR is digits and
   broken syllables); ``min_numbers`` keeps a short line of prose with a date
   (``১৯৭১ সালে স্বাধীনতা``). On the embedded Bangla books 3% of pages (1% of characters) are
-  above 0.2 (docs/data.md "OCR debris").
+  above 0.2 (docs/data.md "OCR debris: page numbers and tables").
 * ``edge_number_digits``: the number tokens of at most this many digits at a page's start and
   end are stripped (page numbers, the numbers of running heads); a four-digit year that opens a
   page (``১৯৭১ সালে``) stays. Numbers inside a page's text always stay.

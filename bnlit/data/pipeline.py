@@ -348,10 +348,11 @@ def _lock(plan: Plan) -> Iterator[None]:
 
 
 def run_local(plan: Plan, workers: int = 1, quiet: bool = False,
-              on_group: Callable[[str, float], None] | None = None) -> None:
+              on_group: Callable[[str, float], None] | None = None,
+              on_stage: Callable[[str, float], None] | None = None) -> None:
     """Run what is missing of ``plan`` with datatrove's ``LocalPipelineExecutor``: ``workers``
     tasks at a time (1: in this process). ``on_group(group, seconds)`` is called as the clean,
-    tokenizer and shard stages finish."""
+    tokenizer and shard groups finish, ``on_stage(name, seconds)`` as each stage does."""
     import time
 
     from datatrove.executor.local import LocalPipelineExecutor
@@ -366,7 +367,10 @@ def run_local(plan: Plan, workers: int = 1, quiet: bool = False,
                                        logging_dir=str(st.logging_dir), depends=prev)
             ex.run()
             prev = ex
-            timing[st.group] = timing.get(st.group, 0.0) + time.perf_counter() - t
+            seconds = time.perf_counter() - t
+            timing[st.group] = timing.get(st.group, 0.0) + seconds
+            if on_stage is not None:
+                on_stage(st.name, seconds)
             if on_group is not None and (i + 1 == len(todo) or todo[i + 1].group != st.group):
                 on_group(st.group, timing[st.group])
 
