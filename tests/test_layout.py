@@ -147,3 +147,17 @@ def test_the_gradient_flow_package_exports_every_public_name_of_its_modules():
                     missing.append(f"{path.stem}.{name}")
     assert missing == [] and set(gf.__all__) == {n for n in dir(gf) if not n.startswith("_") and n not in
                                                  ("annotations", *(p.stem for p in package.glob("*.py")))}
+
+
+def test_live_logging_and_the_end_of_run_report_are_apart():
+    """What a run logs while it trains is ``bnlit.loggers``; ``bnlit.run_report`` is what it reports
+    at the end: no callback imports the report, the report does not import the loggers, and the
+    names that moved keep their old path as the same objects."""
+    import bnlit.loggers
+    import bnlit.run_report
+
+    graph = import_graph()
+    callbacks = sorted(m for m in graph if m.startswith("bnlit.callbacks") and "bnlit.run_report" in graph[m])
+    assert callbacks == [] and "bnlit.loggers" not in graph["bnlit.run_report"]
+    for name in bnlit.run_report._MOVED:
+        assert getattr(bnlit.run_report, name) is getattr(bnlit.loggers, name)
