@@ -1,5 +1,10 @@
-"""``DeadVocabulary``: at the end of training, the tokenizer pieces the model never trained on
-(:mod:`bnlit.checks.dead_vocabulary`); the embedding rows looked up are tracked here on the device."""
+"""``DeadVocabulary``: at the end of training, the tokenizer pieces the model never trained on.
+
+Two lists (:mod:`bnlit.checks.dead_vocabulary`): pieces that never occur in the training shards, and
+pieces whose embedding row was never looked up by a training batch, so never received an
+input-side gradient (tracked here on the device, one scatter per batch, no host sync). The
+report goes to the log, ``vocab/`` metrics, the table ``vocab/dead`` and
+``<run dir>/dead_vocabulary.json`` (every id)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,11 @@
-"""``FertilityCheck``: at the start of a run, each language's characters per token and the
-mixture's delivered shares, checked against floors (:mod:`bnlit.checks.fertility`); stops or warns."""
+"""``FertilityCheck``: at the start of a run (the first ``fit``/``validate`` setup), measure each
+language's characters per token on its held-out slice, log it with the mixture's intended and
+delivered shares, and stop (or warn about) a run whose tokenizer starves a language or whose
+mixture no longer says what the config asked for. With ``parallel`` text configured it also
+measures the content-matched token premium and warns when it leaves ``premium_band``.
+
+The maths is :mod:`bnlit.checks.fertility`; this callback only reads the data module's shard
+statistics (``split_stats``, ``val_tokens``, ``mixture``), logs, and decides whether to stop."""
 
 from __future__ import annotations
 

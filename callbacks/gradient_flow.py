@@ -1,6 +1,14 @@
-"""``GradientFlowArbiter``: turn a parameter that silently stops learning into a named error; a
-thin adapter that decides when the checks of :mod:`bnlit.checks.gradient_flow` run (its docstring says
-when and why) and fails every rank together."""
+"""``GradientFlowArbiter``: turn a parameter that silently stops learning into a named error.
+
+A thin adapter over :mod:`bnlit.checks.gradient_flow` (the checks, their settings and the report;
+its docstring lists what each check finds). At fit start it checks optimizer membership. Every
+optimizer step (``on_before_optimizer_step``: after the last micro-batch, after AMP unscaling,
+before clipping) the sentinel takes one fused norm pass, read every step on CPU and on logging
+steps on CUDA (the only host sync). At the first step, every ``every_n_steps``, the last step and
+at once when the sentinel trips, the full check runs: gradients, membership, the fast path against
+the eager fp32 reference (first check) and, after the step, that each parameter changed. Every
+verdict is all-reduced, so under DDP/FSDP all ranks fail together.
+``<checkpoint dir>/gradient_flow.json`` is written only when a check fails."""
 
 from __future__ import annotations
 

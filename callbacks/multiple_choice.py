@@ -1,6 +1,11 @@
-"""``MultipleChoiceEval``: multiple-choice accuracy at a validation cadence, logged next to its
-chance baseline (``multiple_choice/<task>_acc_norm``, ``_acc``, ``_chance``); the tasks and the
-scoring are :mod:`bnlit.evaluation.multiple_choice`."""
+"""``MultipleChoiceEval``: multiple-choice accuracy during training, at a validation cadence,
+logged next to its chance baseline.
+
+Each task is a local JSONL file of ``{"context", "choices", "label"}`` (or Belebele's own fields,
+see :func:`bnlit.evaluation.multiple_choice.load_items`), scored the way lm-eval-harness scores
+HellaSwag/PIQA/ARC (:func:`bnlit.evaluation.multiple_choice.score_items`). Metrics:
+``multiple_choice/<task>_acc_norm``, ``..._acc`` and ``..._chance``. Scoring runs on global rank
+zero under ``fork_rng`` and ``no_grad`` and restores the model's mode, so training is untouched."""
 
 from __future__ import annotations
 

@@ -1,9 +1,13 @@
 """``RandomTwinNLL``: the trained model against a freshly initialised twin of the same architecture
 and tokenizer, and against the unigram and bigram of the training shards, on each language's
-held-out slice, in NLL per token, bits per character and bits per byte. The maths and the reasons
-are in :mod:`bnlit.evaluation.heldout` (twin) and :mod:`bnlit.evaluation.ngram` (baselines, saved as
-``<run dir>/baselines/ngram_<lang>.npz`` for ``scripts/evaluate.py``); this callback picks the
-slices, chooses when to evaluate, logs and warns."""
+held-out slice, in NLL per token, bits per character and bits per byte.
+
+The twin is built and scored once (it never changes); the trained model is scored at every
+``every_n_validations``-th validation and at the end of training, when the table is printed and
+logged (``twin/table``). The maths and the reasons are in :mod:`bnlit.evaluation.heldout` (twin)
+and :mod:`bnlit.evaluation.ngram` (baselines, saved as ``<run dir>/baselines/ngram_<lang>.npz``
+for ``scripts/evaluate.py``); this callback picks the slices, chooses when to evaluate, logs and
+warns."""
 
 from __future__ import annotations
 

@@ -1,5 +1,10 @@
-"""``LanguageStarvation``: warn or stop when one language's held-out loss stops improving while
-another's improves; the rule is :mod:`bnlit.checks.starvation`."""
+"""``LanguageStarvation``: with two or more languages, warn or stop when one language's held-out
+loss has not improved over the last ``patience`` validations while another's has (a mixture
+weight of 0.01, a tokenizer that inflates one language's token count).
+
+The rule is :mod:`bnlit.checks.starvation`; this callback reads each language's ``val/<lang>_loss``
+(NLL/token on the same held-out windows every time, so its trend is the trend of bits/char),
+decides at every validation, and reports every language's trend at the end of training."""
 
 from __future__ import annotations
 

@@ -1,5 +1,13 @@
 """``ThreadsFollowLoad``: with ``threads: auto``, re-choose torch's CPU thread count during the run
-as the load changes (:func:`bnlit.speed.threads.rechoose_threads`; why: :mod:`bnlit.speed.threads`)."""
+as the machine's load changes (:func:`bnlit.speed.threads.rechoose_threads`), not only at start.
+
+The start-time choice (:func:`bnlit.speed.threads.set_threads`) sees the load of a moment; a run
+that started on an idle machine keeps every core when other jobs arrive, and each extra OpenMP
+thread then waits at every barrier for a core another job holds
+(docs/getting-started.md "Threads and load": 2 threads 1.8-2.0x slower than 1 at a load of 7-30
+on 2 cores). Every ``every_n_steps`` optimizer steps this callback reads the 1-minute load average
+and applies the new count when it differs, logging the change and why. A pinned ``threads=N``, a
+non-CPU accelerator or an OS without a load average: nothing to do."""
 
 from __future__ import annotations
 

@@ -1,7 +1,12 @@
 """``ThroughputMonitor``: tokens/s, TFLOP/s, MFU, step time, data wait and peak memory of every run.
 
-A thin adapter over :mod:`bnlit.speed.throughput`, whose docstring lists the ``throughput/`` metrics, the
-timing rules (one CUDA sync per logging step, compilation and validation left out) and the MFU floor.
+A thin adapter over :mod:`bnlit.speed.throughput`, whose docstring lists the ``throughput/`` metrics
+and the MFU floor. The timing is this callback's: it reads the host clock at batch boundaries and
+never synchronises on those; on CUDA it syncs the device once per logging step, right before it
+reads the clock that closes the window (a Python float logged through Lightning becomes a device
+tensor, a copy that waits for the stream). The first optimizer step (compilation, allocator
+warm-up) never enters the window; validation and checkpoint saves are left out of it. (Not
+Lightning's own ``ThroughputMonitor``, which needs a per-batch FLOP count and has no MFU floor.)
 """
 
 from __future__ import annotations

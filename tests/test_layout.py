@@ -125,3 +125,39 @@ def test_the_project_imports_moved_modules_by_their_new_path():
             if target.rpartition(".")[0] in old:
                 offenders.append(f"{path.relative_to(ROOT)}: _target_ {target}")
     assert offenders == []
+
+
+def test_the_gradient_flow_package_exports_every_public_name_of_its_modules():
+    """``bnlit.checks.gradient_flow`` is a package of one-job modules; every public name of each is
+    importable from the package, as it was when the package was one module (configs, the callback
+    and user code import ``from bnlit.checks.gradient_flow import X``)."""
+    import bnlit.checks.gradient_flow as gf
+
+    package = ROOT / "bnlit" / "checks" / "gradient_flow"
+    missing = []
+    for path in sorted(package.glob("*.py")):
+        if path.name == "__init__.py":
+            continue
+        module = importlib.import_module(f"bnlit.checks.gradient_flow.{path.stem}")
+        for node in ast.parse(path.read_text()).body:
+            names = ([node.name] if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else
+                     [t.id for t in getattr(node, "targets", [getattr(node, "target", None)]) if isinstance(t, ast.Name)])
+            for name in names:
+                if not name.startswith("_") and getattr(gf, name, None) is not getattr(module, name):
+                    missing.append(f"{path.stem}.{name}")
+    assert missing == [] and set(gf.__all__) == {n for n in dir(gf) if not n.startswith("_") and n not in
+                                                 ("annotations", *(p.stem for p in package.glob("*.py")))}
+
+
+def test_live_logging_and_the_end_of_run_report_are_apart():
+    """What a run logs while it trains is ``bnlit.loggers``; ``bnlit.run_report`` is what it reports
+    at the end: no callback imports the report, the report does not import the loggers, and the
+    names that moved keep their old path as the same objects."""
+    import bnlit.loggers
+    import bnlit.run_report
+
+    graph = import_graph()
+    callbacks = sorted(m for m in graph if m.startswith("bnlit.callbacks") and "bnlit.run_report" in graph[m])
+    assert callbacks == [] and "bnlit.loggers" not in graph["bnlit.run_report"]
+    for name in bnlit.run_report._MOVED:
+        assert getattr(bnlit.run_report, name) is getattr(bnlit.loggers, name)

@@ -10,16 +10,7 @@ on other text than the model, or a language's data never reached the model.
 :func:`dead_vocabulary` lists both kinds with their count, share of the vocabulary, a sample, and
 the language each piece belongs to by its script (Bengali block: ``bn``, Latin: ``en``, otherwise
 ``und``); byte-fallback and special pieces are counted apart, since most bytes never occur in
-UTF-8 text of two scripts and ``<pad>``/``<s>`` are never used by design.
-
-**The callback** (``bnlit.callbacks.dead_vocabulary``). ``DeadVocabulary``: at the end of training, the tokenizer pieces the model never trained on.
-
-Two lists (:mod:`bnlit.checks.dead_vocabulary`): pieces that never occur in the training shards, and
-pieces whose embedding row was never looked up by a training batch, so never received an
-input-side gradient (tracked here on the device, one scatter per batch, no host sync). The
-report goes to the log, ``vocab/`` metrics, the table ``vocab/dead`` and
-``<run dir>/dead_vocabulary.json`` (every id).
-"""
+UTF-8 text of two scripts and ``<pad>``/``<s>`` are never used by design."""
 
 from __future__ import annotations
 

@@ -9,18 +9,7 @@ English ~1.0, so a token split of 80/20 is a character split of about 60/40, and
 split hands English almost three quarters of the text. The functions here measure fertility
 (:func:`measure`, :func:`chars_per_token`, :func:`heldout_fertility`), the token premium of Petrov et al. (2023), convert
 between the two units (:func:`token_weights_for_char_shares`, :func:`effective_shares`) and judge
-the result (:func:`floor_verdicts`, :func:`share_verdicts`); ``scripts/fertility.py`` and
-``bnlit.callbacks.fertility`` are thin wrappers over them.
-
-**The callback** (``bnlit.callbacks.fertility``). ``FertilityCheck``: at the start of a run (the first ``fit``/``validate`` setup), measure each
-language's characters per token on its held-out slice, log it with the mixture's intended and delivered shares, and stop (or warn about) a run
-whose tokenizer starves a language or whose mixture no longer says what the config asked for.
-With ``parallel`` text configured it also measures the content-matched token premium and warns
-when it leaves ``premium_band``.
-
-The maths is :mod:`bnlit.checks.fertility`; this callback only reads the data module's shard statistics
-(``split_stats``, ``val_tokens``, ``mixture``), logs, and decides whether to stop.
-"""
+the result (:func:`floor_verdicts`, :func:`share_verdicts`)."""
 
 from __future__ import annotations
 

@@ -9,16 +9,7 @@ A language has *improved* over the last ``patience`` validations when its best v
 is below its best value before them by more than ``min_delta`` (relative). With two or more
 languages, a language that has not improved while another has is starved. The series can be any
 per-language held-out loss; NLL/token on a fixed slice and bits/char on it differ by a constant
-factor (the slice's tokens per character / ln 2), so the verdict is the same for both.
-
-**The callback** (``bnlit.callbacks.starvation``). ``LanguageStarvation``: with two or more languages, warn or stop when one language's held-out
-loss has not improved over the last ``patience`` validations while another's has (a mixture
-weight of 0.01, a tokenizer that inflates one language's token count).
-
-The maths is :mod:`bnlit.checks.starvation`; this callback reads each language's ``val/<lang>_loss``
-(NLL/token on the same held-out windows every time, so its trend is the trend of bits/char),
-decides at every validation, and reports every language's trend at the end of training.
-"""
+factor (the slice's tokens per character / ln 2), so the verdict is the same for both."""
 
 from __future__ import annotations
 

@@ -22,12 +22,9 @@ own document, so a document scores the same alone or packed after others
 without the mask is scored with plain causal attention over the packed window. Multiple-choice items and generation run one document
 per forward pass, where the two are the same.
 
-**The random twin** (``bnlit.callbacks.random_twin`` is the adapter) answers two questions a loss
-curve alone does not: did the model learn anything (the trained NLL must fall below the twin's),
-and is the initialisation sane (the twin's NLL sits near ln(V)). The twin is built and scored once
-(it never changes); the trained model is scored at every ``every_n_validations``-th validation and
-at the end of training, when the table is printed and logged (``twin/table``). A twin alone
-flatters: a model that learned only token frequencies beats it by far, so the trained model is
+**The random twin** answers two questions a loss curve alone does not: did the model learn
+anything (the trained NLL must fall below the twin's), and is the initialisation sane (the twin's
+NLL sits near ln(V)). A twin alone flatters: a model that learned only token frequencies beats it by far, so the trained model is
 also compared with the add-one unigram and Kneser-Ney bigram of the training shards
 (:mod:`bnlit.evaluation.ngram`; ``learned_context/<lang>`` is the bigram's bits/char minus the trained
 model's). Scoring touches no training RNG stream (the twin has its own generator, and

@@ -11,17 +11,7 @@ document follows in bnlit's training shards.
 Input is a JSONL file of ``{"context": str, "choices": [str, ...], "label": int}``, or of
 Belebele's own rows (``flores_passage``, ``question``, ``mc_answer1..4``, ``correct_answer_num``,
 as in the ``facebook/belebele`` files such as ``ben_Beng.jsonl``), scored as a cloze: the passage
-and question as context, each answer as a continuation (:func:`belebele_item`).
-
-**The callback** (``bnlit.callbacks.multiple_choice``). ``MultipleChoiceEval``: multiple-choice accuracy during training, at a validation cadence,
-logged next to its chance baseline.
-
-Each task is a local JSONL file of ``{"context", "choices", "label"}`` (or Belebele's own fields,
-see :func:`bnlit.evaluation.multiple_choice.load_items`), scored the way lm-eval-harness scores HellaSwag/PIQA/ARC
-(:func:`bnlit.evaluation.multiple_choice.score_items`). Metrics: ``multiple_choice/<task>_acc_norm``, ``..._acc`` and
-``..._chance``. Scoring runs on global rank zero under ``fork_rng`` and ``no_grad`` and restores
-the model's mode, so training is untouched.
-"""
+and question as context, each answer as a continuation (:func:`belebele_item`)."""
 
 from __future__ import annotations
 

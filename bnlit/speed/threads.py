@@ -4,19 +4,7 @@ On a quiet machine every core helps. On a machine whose cores are already busy w
 each extra OpenMP thread waits at every barrier for a core the scheduler gives to someone else,
 and a step slows by far more than the load ratio (docs/getting-started.md "Threads and load": paired
 ``scripts/bench_threads.py`` figures). ``threads: auto`` therefore asks for the cores that are
-idle now, at least one; an integer pins the count.
-
-**The callback** (``bnlit.callbacks.threads``). ``ThreadsFollowLoad``: with ``threads: auto``, re-choose torch's CPU thread count during the run
-as the machine's load changes (:func:`bnlit.speed.threads.rechoose_threads`), not only at start.
-
-The start-time choice (:func:`bnlit.speed.threads.set_threads`) sees the load of a moment; a run that
-started on an idle machine keeps every core when other jobs arrive, and each extra OpenMP thread
-then waits at every barrier for a core another job holds (docs/getting-started.md "Threads and load": 2 threads
-1.8-2.0x slower than 1 at a load of 7-30 on 2 cores). Every ``every_n_steps`` optimizer steps this
-callback reads the 1-minute load average and applies the new count when it differs, logging the
-change and why. A pinned ``threads=N``, a non-CPU accelerator or an OS without a load average:
-nothing to do.
-"""
+idle now, at least one; an integer pins the count."""
 
 from __future__ import annotations
 

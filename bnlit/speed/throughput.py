@@ -5,13 +5,7 @@ model FLOPs per token come from :func:`bnlit.speed.flops.flops_per_token`, the p
 **dense** bf16 tensor-core figures (the datasheets print the 2:4-sparse figure first; the dense one
 is half of it). A device the table does not know, and the CPU, are measured instead: the best
 rate of a large matmul in the training dtype, labelled ``measured`` wherever it is reported.
-Nothing here touches a Trainer; :mod:`bnlit.callbacks.throughput` is the adapter: it reads the
-host clock at batch boundaries and never synchronises on those; on CUDA it syncs the device once
-per logging step, right before it reads the clock that closes the window (a Python float logged
-through Lightning becomes a device tensor, a copy that waits for the stream). The first optimizer
-step (compilation, allocator warm-up) never enters the window; validation and checkpoint saves are
-left out of it. (Not Lightning's own ``ThroughputMonitor``, which needs a per-batch FLOP count and
-has no MFU floor.)
+Nothing here touches a Trainer.
 
 Logged on rank zero, per device and in total (world size x rank zero's rate: DDP ranks step in
 lockstep): :func:`throughput_metrics` -- ``throughput/tokens_per_s``, ``throughput/samples_per_s``,
