@@ -85,6 +85,7 @@ SMOKE: list[tuple[str, list[str], int | str]] = [
     ("bench", ["python", "scripts/bench.py", "--help"], 0),
     ("bench_data", ["python", "scripts/bench_data.py", "--help"], 0),
     ("compare_filters", ["python", "scripts/compare_filters.py", "--help"], 0),
+    ("bench_dedup", ["python", "scripts/bench_dedup.py", "--help"], 0),
     ("bench_threads", ["python", "scripts/bench_threads.py", "--threads", "1", "--rounds", "1", "--steps", "1",
                        "--warmup", "1", "--batch-size", "2", "--seq-len", "32"], 0),
     ("bench_host_malloc", ["python", "scripts/bench_host_malloc.py", "--rounds", "1", "--steps", "1"], 0),

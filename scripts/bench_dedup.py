@@ -17,7 +17,7 @@ with 4% exact and 4% near copies planted within and across sources). Each source
 
 Both run in a fresh process each (A, B, A, B for ``--repeats``); the script checks that they keep
 exactly the same documents, then prints MB/s per worker (input UTF-8 MB over wall seconds, one
-worker) and the peak resident memory of the process tree (``ru_maxrss``), with the ratios, the
+worker) and the peak resident memory of the process (``VmHWM``), with the ratios, the
 host's cores and its load average at the start and the end.
 """
 
@@ -42,7 +42,12 @@ from bench_dedup import run_before, run_datatrove
 t = time.perf_counter()
 kept = {fn}({inp!r}, {out!r}, {tasks})
 dt = time.perf_counter() - t
-peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+# VmHWM: this process's own peak (one worker: everything runs here). Not ru_maxrss: Linux carries
+# the forking parent's high-water mark across exec into RUSAGE_SELF, and the parent holds the corpus.
+try:
+    peak = int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0])
+except (OSError, IndexError):
+    peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
 print(json.dumps({{"seconds": dt, "peak_mb": peak / 1024, "kept": kept}}))
 """
 
