@@ -3,6 +3,7 @@ and no carry-over of an earlier stage's peak."""
 
 from __future__ import annotations
 
+import mmap
 import subprocess
 import sys
 
@@ -35,8 +36,12 @@ def test_a_child_processs_allocation_counts_in_its_stage_only():
 def test_this_processs_peak_is_reset_between_stages():
     with tree_memory.TreeMemory(interval=0.02) as mem:
         base = mem.baseline_mb
-        block = b"\x01" * 150_000_000  # allocated and freed between two samples: only VmHWM sees it
-        del block
+        # fresh anonymous pages, touched and unmapped between two samples: only VmHWM sees them
+        # (malloc could hand back freed pages still resident from an earlier test)
+        block = mmap.mmap(-1, 150_000_000)
+        for i in range(0, len(block), mmap.PAGESIZE):
+            block[i] = 1
+        block.close()
         spike = mem.mark()
         calm = mem.mark()
     assert spike["largest_mb"] >= base + 140, (base, spike)
