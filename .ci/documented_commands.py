@@ -93,6 +93,7 @@ SMOKE: list[tuple[str, list[str], int | str]] = [
     ("memory_check", ["python", "scripts/memory_check.py", "--presets", "tiny", "--precisions", "32-true",
                       "--seq-len", "32", "--batch-size", "2"], 0),
     ("gpu_check, dry run", ["python", "scripts/gpu_check.py", "--dry-run"], 0),
+    ("chaos", ["python", "scripts/chaos.py", "--help"], 0),
     ("bench_shard_check", ["python", "scripts/bench_shard_check.py", "--gib", "0.01", "--rounds", "1",
                            "--dir", "{work}"], 0),
 ]

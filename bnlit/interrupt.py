@@ -4,6 +4,9 @@ stops with :class:`Interrupted` once its checkpoint is written (by ``bnlit.callb
 through :mod:`bnlit.checkpointing`). A SLURM job stopped by a requeue signal is requeued
 (:func:`requeue_slurm_job`), and a requeued job knows it is one (:func:`requeued_slurm_job`).
 Data-loader workers ignore the stop signals (:func:`worker_ignores_interrupts`): the trainer decides.
+Outside the training loop (config checks, data build, tokenizer, model set-up, the final
+validation and report) there is no step to finish: :class:`StopAtOnce` stops the run at once, with
+the same exit code and one line that says what to rerun.
 
 Cost: nothing per step on one process; one all-reduce of an int under torch.distributed, so
 that every rank stops after the same step (Lightning itself broadcasts a flag per step there).
@@ -52,14 +55,15 @@ class Interrupted(BaseException):
         return 128 + self.signum  # what a shell reports for a process killed by the signal
 
     def message(self, run_dir: Path) -> str:
+        if self.path is None:
+            return (f"interrupted before the first checkpoint: nothing to resume; rerun the same command "
+                    f"(hydra.run.dir={run_dir} may be reused)")
         where = self.path
-        if where is not None:
-            try:
-                where = where.resolve().relative_to(run_dir.resolve())
-            except ValueError:
-                pass
-        saved = f"saved {where}" if where is not None else "no checkpoint saved"
-        return (f"interrupted at step {self.step}: {saved}; resume with ckpt_path=last "
+        try:
+            where = where.resolve().relative_to(run_dir.resolve())
+        except ValueError:
+            pass
+        return (f"interrupted at step {self.step}: saved {where}; resume with ckpt_path=last "
                 f"hydra.run.dir={run_dir}")
 
 
@@ -123,10 +127,37 @@ class SignalLatch:
         """Call the outer handler of the received signal, if it is a Python function (submitit's
         checkpoint-and-requeue); SIG_DFL, SIG_IGN and Python's KeyboardInterrupt are not chained."""
         h = self.outer.get(self.received) if self.received is not None else None
-        if not callable(h) or h is signal.default_int_handler:
+        if not callable(h) or h is signal.default_int_handler or isinstance(h, StopAtOnce):
             return False
         h(self.received, None)
         return True
+
+
+class StopAtOnce:
+    """The stop-signal handler outside the training loop: raises :class:`Interrupted` at once,
+    naming the newest complete checkpoint (``newest()`` gives its step and path, or ``(0, None)``).
+    Nothing there needs finishing: caches, shards, the tokenizer and checkpoints are written to a
+    temporary name and renamed. ``bnlit.train`` installs it for the whole run; the
+    :class:`SignalLatch` of ``bnlit.callbacks.interrupt`` replaces it during training and puts it
+    back at teardown (and never chains to it). A requeue signal in a SLURM job requeues the job."""
+
+    def __init__(self, signals: Iterable[str | int], newest: Callable[[], tuple[int, Path | None]],
+                 requeue_signals: Iterable[str | int] = ()):
+        self.signums = [signal_number(s) for s in signals]
+        self.requeue = {signal_number(s) for s in requeue_signals}
+        self.newest = newest
+
+    def install(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            for s in self.signums:
+                signal.signal(s, self)
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        for s in self.signums:  # a second signal while this one unwinds stops the process outright
+            signal.signal(s, signal.SIG_DFL)
+        step, path = self.newest()
+        then = requeue_slurm_job if signum in self.requeue and "SLURM_JOB_ID" in os.environ else None
+        raise Interrupted(signum, step, path, then=then)
 
 
 WORKER_IGNORED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)

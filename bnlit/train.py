@@ -23,10 +23,10 @@ from omegaconf import DictConfig, OmegaConf
 import bnlit.resolvers  # noqa: F401  (registers ${bnlit.*} resolvers)
 from bnlit import CONF_DIR
 from bnlit import quiet, run_dir
-from bnlit.checkpointing import prepare_resume, remove_partial_writes
+from bnlit.checkpointing import checkpoint_step, newest_checkpoint, prepare_resume, remove_partial_writes
 from bnlit.command_line import check_command_line
 from bnlit.errors import BnlitError, ConfigError
-from bnlit.interrupt import Interrupted
+from bnlit.interrupt import Interrupted, StopAtOnce
 from bnlit.loggers import finish_wandb_run, redact, run_tags, sweep_job
 from bnlit.preflight import check_config, instantiate_checked
 from bnlit.run_report import print_report, write_summary
@@ -141,12 +141,15 @@ def main() -> None:
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
 def run(cfg: DictConfig) -> float | None:
+    stop = stop_at_once(cfg)
+    if stop is not None:
+        stop.install()
     try:
         metrics = train(cfg)
         return optimized(metrics, cfg.get("optimized_metric"))
     except Interrupted as e:
-        if e.rank_zero:
-            print(e.message(Path(cfg.paths.output_dir)), file=sys.stderr, flush=True)
+        if e.rank_zero:  # on a line of its own, not after a progress bar's last refresh
+            print(f"\n{e.message(Path(cfg.paths.output_dir))}", file=sys.stderr, flush=True)
         if e.then is not None:
             e.then()  # requeue a SLURM job
         sys.exit(e.exit_code)
@@ -161,6 +164,21 @@ def run(cfg: DictConfig) -> float | None:
             raise
         print(f"error: {disk_full_message(e, cfg)}", file=sys.stderr, flush=True)
         sys.exit(2)
+
+
+def stop_at_once(cfg: DictConfig) -> StopAtOnce | None:
+    """The stop signals of ``callbacks.interrupt`` end the run at once outside the training loop
+    (none when that callback is switched off)."""
+    spec = (cfg.get("callbacks") or {}).get("interrupt")
+    if spec is None:
+        return None
+    checkpoint_dir = Path(cfg.paths.checkpoint_dir)
+
+    def newest() -> tuple[int, Path | None]:
+        path = newest_checkpoint(checkpoint_dir)
+        return (checkpoint_step(path) or 0, path) if path is not None else (0, None)
+
+    return StopAtOnce(spec.signals, newest, spec.get("requeue_signals", ()))
 
 
 def refuse(e: BnlitError, cfg: DictConfig) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from bnlit.checkpointing import adopt_step_checkpoints, step_checkpoint_path
+from bnlit.checkpointing import adopt_step_checkpoints, checkpoint_step, newest_checkpoint, step_checkpoint_path
 from bnlit.interrupt import Interrupted, SignalLatch, agree, requeue_slurm_job, signal_number
 
 log = logging.getLogger("bnlit")
@@ -71,6 +71,22 @@ class InterruptCheckpoint(L.Callback):
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
         for lg in trainer.loggers:  # the metrics up to a checkpoint survive a SIGKILL after it
             lg.save()
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        """No optimizer step is left: the latch hands the signals back (to ``bnlit.interrupt.StopAtOnce``
+        in a ``bnlit.train`` run, which stops the end-of-training reports at once), and a signal
+        latched after the last step's checkpoint decision stops the run here, not never."""
+        signum = agree(self.latch.received or 0, trainer.strategy)
+        self.latch.restore()
+        if not signum or self._stop is not None:
+            return
+        path = newest_checkpoint(self.dirpath)
+        if path is None or checkpoint_step(path) != trainer.global_step:  # the last steps are not saved yet
+            path = step_checkpoint_path(trainer.checkpoint_callback, self.dirpath, trainer.global_step,
+                                        trainer.current_epoch)
+            trainer.save_checkpoint(path)
+        raise Interrupted(signum, trainer.global_step, path, rank_zero=trainer.is_global_zero,
+                          then=lambda: self._after(trainer, signum))
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
         self.latch.restore()

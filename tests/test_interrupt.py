@@ -16,7 +16,7 @@ import torch
 from bnlit.checkpointing import (
     AtomicCheckpointIO, checkpoint_step, newest_checkpoint, newest_k, remove_partial_writes, resolve_ckpt_path, tmp_name,
 )
-from bnlit.interrupt import Interrupted, SignalLatch
+from bnlit.interrupt import Interrupted, SignalLatch, StopAtOnce
 from bnlit.loggers import read_whole_rows
 from conftest import TINY
 from helpers_dist import run_train_cli, train_losses as losses
@@ -42,6 +42,15 @@ class SignalAt(L.Callback):
             os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while the checkpoint is being written
 
 
+class SignalInLastValidation(L.Callback):
+    """Test-only: SIGTERM as the validation after the last optimizer step starts: no step is left
+    for the latch to finish, so the run must stop at the end of training, not run on to its reports."""
+
+    def on_validation_start(self, trainer, pl_module):
+        if trainer.global_step == trainer.max_steps:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
 def run_cli(run_dir: Path, *overrides: str):
     return run_train_cli(run_dir, *TINY, *STEPS, *overrides)
 
@@ -58,6 +67,21 @@ def reference(tmp_path_factory, cache_dir) -> dict[int, float]:
     assert out.returncode == 0, out.stderr[-2000:]
     assert ckpt_names(run) == ["last.ckpt", "step0000003.ckpt", "step0000006.ckpt"]
     return losses(run)
+
+
+@pytest.mark.slow
+def test_a_signal_after_the_last_step_stops_the_run_and_the_resume_finishes_it(reference, tmp_path):
+    run = tmp_path / "run"
+    out = run_cli(run, "+callbacks.signal._target_=test_interrupt.SignalInLastValidation")
+    assert out.returncode == 128 + signal.SIGTERM, out.stderr[-3000:]
+    lines = [ln for ln in out.stderr.splitlines() if ln.startswith("interrupted ")]
+    # the steps after the last periodic checkpoint (step 6) are saved on the way out
+    assert lines == [f"interrupted at step 8: saved checkpoints/step0000008.ckpt; resume with ckpt_path=last "
+                     f"hydra.run.dir={run}"], out.stderr[-3000:]
+    assert "Traceback" not in out.stderr
+    again = run_cli(run, "ckpt_path=last")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert losses(run) == reference
 
 
 @pytest.mark.slow
@@ -213,6 +237,76 @@ def test_a_second_signal_is_latched_not_raised_and_a_third_ctrl_c_aborts():
     assert e.exit_code == 143
     assert e.message(Path("/r")) == ("interrupted at step 37: saved checkpoints/step0000037.ckpt; resume with "
                                      "ckpt_path=last hydra.run.dir=/r")
+
+
+def test_outside_training_a_signal_stops_at_once_naming_the_newest_checkpoint(tmp_path):
+    """Config checks, data build, set-up and the final report have no step to finish: the first
+    signal raises at once with the documented code and one line; a second one, while that unwinds,
+    ends the process outright; the training loop's latch never chains to this handler."""
+    newest = [(0, None)]
+    stop = StopAtOnce(["SIGTERM", "SIGINT"], lambda: newest[0])
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        stop.install()
+        with pytest.raises(Interrupted) as e:
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert e.value.exit_code == 143 and e.value.path is None
+        assert e.value.message(tmp_path) == ("interrupted before the first checkpoint: nothing to resume; rerun the same "
+                                             f"command (hydra.run.dir={tmp_path} may be reused)")
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and signal.getsignal(signal.SIGINT) is signal.SIG_DFL
+        newest[0] = (12, tmp_path / "checkpoints" / "step0000012.ckpt")
+        stop.install()
+        with pytest.raises(Interrupted) as e:
+            os.kill(os.getpid(), signal.SIGINT)
+        assert e.value.exit_code == 130
+        assert e.value.message(tmp_path).startswith("interrupted at step 12: saved checkpoints/step0000012.ckpt; "
+                                                    "resume with ckpt_path=last")
+        stop.install()
+        latch = SignalLatch(["SIGTERM"])
+        latch.install()
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert latch.received == signal.SIGTERM and latch.chain() is False  # the latch's stop is the step's
+        latch.restore()
+        assert signal.getsignal(signal.SIGTERM) is stop
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
+
+
+def sigterm_on(run: Path, marker: str, *overrides: str) -> tuple[int, str]:
+    """Start ``python -m bnlit.train`` and send it SIGTERM from outside when ``marker`` appears in
+    its output (stderr and stdout together): the exit code and the whole output."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), str(TESTS / "checks"), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen([sys.executable, "-u", "-m", "bnlit.train", *TINY, *overrides, f"hydra.run.dir={run}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=run.parent)
+    out, sent = [], False
+    for raw in iter(proc.stdout.readline, b""):
+        out.append(raw.decode("utf-8", "replace"))
+        if not sent and marker in out[-1]:
+            proc.send_signal(signal.SIGTERM)
+            sent = True
+    assert sent, "".join(out)[-2000:]
+    return proc.wait(timeout=120), "".join(out)
+
+
+@pytest.mark.slow
+def test_sigterm_while_the_data_is_built_is_one_line_and_leaves_no_debris(tmp_path):
+    """A signal from outside during the data build of a cold cache (before any checkpoint) ends in
+    exit 143 and one line, with no traceback and no temporary file in the cache or the run dir;
+    the same command then completes from that cache."""
+    run, cache = tmp_path / "run", tmp_path / "cache"
+    rc, out = sigterm_on(run, "Seed set to", f"paths.cache_dir={cache}", "trainer.max_steps=2")
+    lines = [ln for ln in out.splitlines() if ln.startswith("interrupted ")]
+    assert rc == 128 + signal.SIGTERM, out[-3000:]
+    assert lines == [f"interrupted before the first checkpoint: nothing to resume; rerun the same command "
+                     f"(hydra.run.dir={run} may be reused)"], out[-3000:]
+    assert "Traceback" not in out
+    assert not [p for d in (run, cache) for p in d.rglob("*") if ".tmp" in p.name or p.name.startswith("tmp")]
+    again = run_train_cli(run, *TINY, f"paths.cache_dir={cache}", "trainer.max_steps=2")
+    assert again.returncode == 0, again.stderr[-3000:]
 
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
