@@ -28,9 +28,10 @@ from __future__ import annotations
 
 import itertools
 import re
+import unicodedata
 from collections.abc import Sequence
 
-from bnlit.data.normalize import NUKTA, normalize_chars
+from bnlit.data.normalize import NUKTA, clean_joiners, normalize_chars
 
 # kind -> {normalised text: the other spellings of it that normalize_chars maps to it}
 RAW_SPELLINGS: dict[str, dict[str, tuple[str, ...]]] = {
@@ -111,3 +112,35 @@ def alias_score(piece: str, piece_score: float, top_score: float) -> float:
 def canonical_ids(ids: Sequence[int], alias_of: dict[int, int]) -> list[int]:
     """``ids`` with every alias id replaced by the id of the piece it spells."""
     return [alias_of.get(i, i) for i in ids]
+
+
+_LEGACY_KHANDA_TA = re.compile("\u09a4\u09cd\u200d(?![\u0980-\u09ff])")
+
+
+def raw_differences(line: str) -> list[str]:
+    """The kinds of difference between a raw line and what bnlit's tokenizer reads
+    (:func:`normalize_chars` and SentencePiece's whitespace rule), for counting them on a corpus
+    (``scripts/tokenizer_parity.py``). The first two are what the raw-spelling kinds cover."""
+    kinds = []
+    if any(c in line for c in "\u09dc\u09dd\u09df"):
+        kinds.append("precomposed nukta letter (nukta)")
+    if "\u09c7\u09be" in line or "\u09c7\u09d7" in line:
+        kinds.append("vowel sign typed in two parts (vowel_signs)")
+    respelled = line.replace("\u09c7\u09be", "\u09cb").replace("\u09c7\u09d7", "\u09cc")
+    for composed, (precomposed,) in RAW_SPELLINGS["nukta"].items():
+        respelled = respelled.replace(precomposed, composed)
+    if unicodedata.normalize("NFC", respelled) != respelled:
+        kinds.append("other canonical (NFC) respelling")
+    if _LEGACY_KHANDA_TA.search(line):
+        kinds.append("legacy khanda-ta")
+    if clean_joiners(line) != line:
+        kinds.append("stray joiner")
+    for c in sorted(set(line)):
+        cat = unicodedata.category(c)
+        if cat == "Cc" or (cat == "Cf" and c not in "\u200c\u200d"):
+            kinds.append(f"control or invisible character U+{ord(c):04X}")
+        elif cat in ("Zs", "Zl", "Zp") and c != " ":
+            kinds.append(f"space or line separator U+{ord(c):04X}")
+    if "  " in line or line != line.strip(" "):
+        kinds.append("run of spaces or edge space")
+    return kinds

@@ -3,7 +3,9 @@ share of lines on which Hugging Face's ``AutoTokenizer`` on an export directory 
 GGUF file give exactly :meth:`bnlit.tokenizer.Tokenizer.encode`'s ids, with no bnlit call first,
 and on which their ``decode`` of bnlit's ids gives SentencePiece's text. For llama.cpp it also counts
 the lines whose ids equal bnlit's once each raw-spelling token (a precomposed nukta letter, a
-two-part vowel sign: ``bnlit/raw_spellings.py``) is mapped to the piece it spells.
+two-part vowel sign: ``bnlit/raw_spellings.py``) is mapped to the piece it spells, and per file
+the lines with each kind of difference between the raw text and what bnlit's tokenizer reads
+(``bnlit.raw_spellings.raw_differences``).
 
     python scripts/tokenizer_parity.py --tokenizer RUN/tokenizer.model [--hf EXPORT_DIR] [--gguf FILE]
                                        --text ben_Beng.dev --text eng_Latn.dev [--show 3] [--json]
@@ -18,7 +20,10 @@ import json
 import sys
 from pathlib import Path
 
+from collections import Counter
+
 from bnlit.errors import BnlitError, ConfigError
+from bnlit.raw_spellings import raw_differences
 from bnlit.tokenizer import Tokenizer
 
 
@@ -78,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
             want = tok.encode_batch(lines)
             out[str(path)] = {name: compare(name, enc, dec, lines, want, tok, args.show, canon)
                               for name, (enc, dec, canon) in tools.items()}
+            out[str(path)]["raw_differences"] = dict(Counter(k for line in lines for k in raw_differences(line))
+                                                     .most_common())
     except BnlitError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
@@ -85,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(out, indent=2, ensure_ascii=False))
         return 0
     for path, rows in out.items():
+        kinds = rows.pop("raw_differences")
+        print(f"{path}: lines by kind of raw-text difference from what bnlit reads: "
+              + (", ".join(f"{k} {n}" for k, n in kinds.items()) or "none"))
         for name, r in rows.items():
             pieces = (f" ({r['same_pieces']}/{r['lines']} once its raw-spelling tokens are mapped to the pieces "
                       "they spell)" if r["same_pieces"] != r["same_ids"] else "")
