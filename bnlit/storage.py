@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -61,6 +62,29 @@ def storage_message(e: OSError, cache_dir: Any, output_dir: Any) -> str:
 def tmp_path(path: Path) -> Path:
     """The temporary name a file is written under before it is renamed to ``path``."""
     return path.with_name(f".{path.name}.tmp{os.getpid()}")
+
+
+def remove_stale_temp_files(directory: Path) -> list[Path]:
+    """Delete the temporary files (:func:`tmp_path`) in and below ``directory`` whose writer
+    is no longer running on this host: the debris of a killed process. Used on a run dir, which one
+    run owns; a cache shared between hosts is left alone (a writer on another host is not seen)."""
+    gone = []
+    for p in Path(directory).rglob(".*.tmp*"):
+        m = re.fullmatch(r"\..+\.tmp(\d+)", p.name)
+        if m and p.is_file() and not _running(int(m.group(1))):
+            p.unlink(missing_ok=True)
+            gone.append(p)
+    return gone
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 @contextlib.contextmanager

@@ -31,7 +31,7 @@ from bnlit.preflight import check_config, instantiate_checked
 from bnlit.run_report import print_report, write_summary
 from bnlit.speed.host_malloc import KEEP_BYTES, keep_freed_memory
 from bnlit.speed.threads import load_average, set_threads
-from bnlit.storage import is_storage_error, storage_message
+from bnlit.storage import is_storage_error, remove_stale_temp_files, storage_message
 
 log = logging.getLogger("bnlit")
 
@@ -76,6 +76,7 @@ def fit(cfg: DictConfig) -> dict[str, float]:
                                         instantiate(cfg.model.config), cfg.trainer.get("strategy"))
     run_dir.write_record(cfg)  # the run is accepted: from here on it may write into its run dir
     remove_partial_writes(checkpoint_dir)
+    remove_stale_temp_files(Path(cfg.paths.output_dir))  # a killed run's tokenizer or record half-written
     L.seed_everything(cfg.seed, workers=True)
     if torch.cuda.is_available():
         torch.set_float32_matmul_precision("high")

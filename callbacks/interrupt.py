@@ -33,6 +33,7 @@ class InterruptCheckpoint(L.Callback):
         self.requeue = {signal_number(s) for s in requeue_signals}
         self._step = -1
         self._stop: Interrupted | None = None
+        self._saved = False  # a checkpoint was written at the step that just ended
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         if stage == "fit":  # before Lightning installs its SIGTERM/SLURM handlers: the program's own
@@ -63,6 +64,10 @@ class InterruptCheckpoint(L.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         if self._stop is not None:
             raise self._stop
+        if self._saved:  # the checkpointed step's own row is logged after its save: flushed here
+            self._saved = False
+            for lg in trainer.loggers:
+                lg.save()
 
     def on_validation_start(self, trainer, pl_module) -> None:
         if self._stop is not None and trainer.state.fn == "fit":  # no validation on the way out
@@ -71,6 +76,7 @@ class InterruptCheckpoint(L.Callback):
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
         for lg in trainer.loggers:  # the metrics up to a checkpoint survive a SIGKILL after it
             lg.save()
+        self._saved = True
 
     def on_train_end(self, trainer, pl_module) -> None:
         """No optimizer step is left: the latch hands the signals back (to ``bnlit.interrupt.StopAtOnce``

@@ -56,7 +56,8 @@ SIGNALS = ("SIGINT", "SIGTERM", "SIGKILL")
 # "compile" only in a compiled run, where the first step and the parity probe compile the graphs)
 MARKERS = (("data", "Seed set to"), ("tokenizer", "tokenizer: "), ("shards", "data: tokenizer trained"),
            ("setup", "mixture "), ("compile", "document masking: leakage probe"), ("report", "`Trainer.fit` stopped"))
-ORDER = {"startup": 0, "data": 1, "tokenizer": 2, "shards": 3, "setup": 4, "compile": 5, "validation": 6,
+# (a compiled run's sanity validation comes before the first step's compile: the same rank)
+ORDER = {"startup": 0, "data": 1, "tokenizer": 2, "shards": 3, "setup": 4, "compile": 6, "validation": 6,
          "training": 6, "report": 7, "exited": 8}
 STEP = re.compile(r"Training(?: \(epoch \d+\))?:[^|]*\|[^|]*\|\s*(\d+)/(\d+)")  # bnlit's training bar
 TEMP = re.compile(r"\.tmp|^tmp")
@@ -181,8 +182,11 @@ def fire(watch: Watch, signum: int) -> tuple[str, int | None] | None:
 def start(run_dir: Path, cache: Path, resume: bool, compiled: bool) -> subprocess.Popen:
     cmd = [sys.executable, "-u", "-m", "bnlit.train", *RUN, f"hydra.run.dir={run_dir}", f"paths.cache_dir={cache}"]
     cmd += ["module.compile=true"] if compiled else []
+    # SIGINT at its default, as in a terminal's foreground job, also when this script runs in the
+    # background (where a shell starts it ignored, and Python would keep it ignored until bnlit's handler)
     return subprocess.Popen(cmd + (["ckpt_path=last"] if resume else []), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, cwd=run_dir.parent)
+                            stderr=subprocess.STDOUT, cwd=run_dir.parent,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def attempt(run_dir: Path, cache: Path, resume: bool, plan: tuple[str, str] | None, rng: random.Random,

@@ -195,6 +195,22 @@ def test_partial_writes_are_removed_and_only_they(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
 
 
+def test_a_killed_writers_temp_files_in_the_run_dir_are_removed_and_a_live_ones_kept(tmp_path):
+    import subprocess
+
+    from bnlit.storage import remove_stale_temp_files
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid that has exited
+    (tmp_path / "csv").mkdir()
+    stale = [tmp_path / f".tokenizer.model.tmp{dead.pid}", tmp_path / "csv" / f".metrics.csv.tmp{dead.pid}"]
+    live = tmp_path / f".tokenizer.model.tmp{os.getpid()}"
+    for p in [*stale, live, tmp_path / "notes.tmp1"]:
+        p.write_text("x")
+    assert sorted(remove_stale_temp_files(tmp_path)) == sorted(stale)
+    assert live.exists() and (tmp_path / "notes.tmp1").exists()  # not a temporary name bnlit writes
+
+
 def test_requeue_names_the_array_task(monkeypatch):
     from bnlit.interrupt import requeue_slurm_job
 
