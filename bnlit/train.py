@@ -105,7 +105,9 @@ def fit(cfg: DictConfig) -> dict[str, float]:
     if trainer.is_global_zero:
         for lg in loggers:
             lg.save()
-        write_summary(Path(cfg.paths.output_dir), metrics, notes=[getattr(module, "fast_path", None), compiled])
+        # the MFU alarm's "where the time went" line, when the floor fired (callbacks/throughput.py)
+        where = next((w for c in callbacks if (w := getattr(c, "where_time_went", None))), None)
+        write_summary(Path(cfg.paths.output_dir), metrics, notes=[getattr(module, "fast_path", None), compiled, where])
         timing = {"wall_s": time.perf_counter() - start, "threads": threads, "threads_end": torch.get_num_threads(),
                   "load_start": load_at_start, "load_end": load_average()}
         print_report(cfg, metrics, loggers, timing)

@@ -7,6 +7,14 @@ reads the clock that closes the window (a Python float logged through Lightning 
 tensor, a copy that waits for the stream). The first optimizer step (compilation, allocator
 warm-up) never enters the window; validation and checkpoint saves are left out of it. (Not
 Lightning's own ``ThroughputMonitor``, which needs a per-batch FLOP count and has no MFU floor.)
+
+When the MFU floor fires, the alarm explains itself: one ``torch.profiler`` trace of the next
+``profile_steps`` optimizer steps (with a CUDA memory snapshot on CUDA) is taken
+(:class:`bnlit.speed.profiling.StepProfiler`), summarised in one "where the time went" line (matmul,
+attention, elementwise, optimizer, communication, data wait, host gaps) in the log and the run's
+``summary.md``, and written into ``profile_dir`` (the run's ``plots/``). The traced steps, slowed by the
+profiler, never enter the window. With ``on_low_mfu: raise`` the run stops once the trace is taken,
+the line in its error.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -25,6 +34,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from bnlit.errors import ConfigError
 from bnlit.tokenizer import EOS_ID
 from bnlit.speed.flops import attended_pairs, flops_per_token
+from bnlit.speed.profiling import StepProfiler
 from bnlit.speed.throughput import (
     LowMFUError,
     MFUFloor,
@@ -53,16 +63,28 @@ class ThroughputMonitor(Callback):
         ``conf/hardware/*.yaml``): its peak stands in for a CUDA device the table does not know by
         name, a run on another device than the profile's is warned about, and the ``fast path:``
         line names it (on a CPU rehearsal too, beside the measured peak the CPU run uses).
+    profile_on_low_mfu: when the floor fires, trace the next ``profile_steps`` optimizer steps once and
+        log where their time went (above); false: the warning alone.
+    profile_steps: optimizer steps in that trace.
+    profile_dir: where the trace (``profile_step<N>.json``, chrome/Perfetto format) and the CUDA
+        memory snapshot go (rank zero); None: the line alone, no files.
     clock: the timer (``time.perf_counter``; tests inject a fake one).
     **floor: those of :class:`bnlit.speed.throughput.MFUFloor` (min_mfu_pct, cpu_min_mfu_pct,
         warmup_steps, patience, on_low_mfu), kept as ``self.floor``.
     """
 
     def __init__(self, window_steps: int = 50, log_every_n_steps: int | None = None, peak_tflops: float | None = None,
-                 hardware: Mapping[str, Any] | None = None, clock: Callable[[], float] = time.perf_counter,
-                 **floor: Any):
+                 hardware: Mapping[str, Any] | None = None, profile_on_low_mfu: bool = True, profile_steps: int = 3,
+                 profile_dir: str | None = None, clock: Callable[[], float] = time.perf_counter, **floor: Any):
         if log_every_n_steps is not None and log_every_n_steps < 1:
             raise ConfigError(f"callbacks.throughput.log_every_n_steps={log_every_n_steps}: must be >= 1 or null")
+        if not isinstance(profile_steps, int) or isinstance(profile_steps, bool) or profile_steps < 1:
+            raise ConfigError(f"callbacks.throughput.profile_steps={profile_steps!r}: use an integer >= 1, e.g. 3")
+        self.profiler = StepProfiler(profile_steps) if profile_on_low_mfu else None
+        self.profile_dir = Path(profile_dir) if profile_dir else None
+        self.where_time_went: str | None = None  # the profiled steps' one line, once a trace was taken
+        self.profile_files: list[Path] = []
+        self._raise_after_profile: str | None = None
         self.floor = MFUFloor(**floor)
         self.timer = StepTimer(window_steps, clock)
         self.log_every_n_steps, self.peak_tflops = log_every_n_steps, peak_tflops
@@ -103,6 +125,9 @@ class ThroughputMonitor(Callback):
         return self._fpt[seq_len]
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
+        boundary = batch_idx % max(1, trainer.accumulate_grad_batches) == 0  # an optimizer step's first micro-batch
+        if self.profiler is not None and self.profiler.due(trainer.global_step, boundary):
+            self.profiler.start(pl_module.device, memory=True)
         self.timer.batch_start()
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
@@ -124,8 +149,33 @@ class ThroughputMonitor(Callback):
         if stepped and self.timer.steps == 1:
             self.timer.reset_window()  # the first step holds compilation and allocator warm-up
             self._pairs_window.clear()
+        if stepped and self.profiler is not None and self.profiler.running and self.profiler.finished(step):
+            self._stop_profile(trainer, pl_module)
         if due and self.timer.window:
             self._report(trainer, pl_module, step)
+
+    def _stop_profile(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """End the trace: its line to the log (and to ``summary.md`` through ``bnlit.train``), its
+        files to ``profile_dir``; the traced steps leave the window; a ``raise`` floor raises now."""
+        split, self.profile_files = self.profiler.stop(pl_module.device,
+                                                       self.profile_dir if trainer.is_global_zero else None)
+        self.where_time_went = split.line()
+        self.timer.reset_window()  # the profiler slowed these steps down
+        self._pairs_window.clear()
+        if trainer.is_global_zero:
+            files = f" (trace: {', '.join(str(f) for f in self.profile_files)})" if self.profile_files else ""
+            log.warning("!!! MFU below the floor: %s%s", self.where_time_went, files)
+        if self._raise_after_profile is not None:
+            message, self._raise_after_profile = self._raise_after_profile, None
+            raise LowMFUError(f"{message}\n{self.where_time_went}")
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.profiler is not None and self.profiler.running:  # the run ended inside the trace
+            self._stop_profile(trainer, pl_module)
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        if self.profiler is not None and self.profiler.running:
+            self.profiler.stop(pl_module.device, None)  # the profiler off, nothing written
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.timer.pause()
@@ -147,8 +197,15 @@ class ThroughputMonitor(Callback):
             pl_module.log(k, v, on_step=True, on_epoch=False, rank_zero_only=True)
         agree = bool if trainer.world_size == 1 else lambda low: trainer.strategy.reduce_boolean_decision(low, all=False)
         message = self.floor.judge(stats, pl_module.device, step, self.peak, agree)
+        # the verdict is every rank's (agree), so every rank traces the same steps
+        profiling = message is not None and self.profiler is not None and not self.profiler.taken
+        if profiling:
+            self.profiler.schedule(step)
         if message and self.floor.on_low_mfu == "raise":
-            raise LowMFUError(message)
+            if not profiling:
+                raise LowMFUError(message)
+            self._raise_after_profile = message  # raised once the trace says where the time went
+            return
         if message:
             rank_zero_warn(message)
             log.warning("!!! %s", message)
