@@ -99,7 +99,7 @@ def fit(cfg: DictConfig) -> dict[str, float]:
         metrics.update(scalar_metrics(trainer))
     compiled = None
     if module.compile_watch is not None:  # every compile of the run, the final validation's included
-        module.warn_recompiles()
+        module.log_compiles()
         compiled = module.compile_watch.summary()
         log.info("%s", compiled)
     if trainer.is_global_zero:
