@@ -4,7 +4,6 @@ a thin Hydra wrapper that turns :class:`~bnlit.errors.BnlitError` into one line 
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import sys
@@ -32,6 +31,7 @@ from bnlit.preflight import check_config, instantiate_checked
 from bnlit.run_report import print_report, write_summary
 from bnlit.speed.host_malloc import KEEP_BYTES, keep_freed_memory
 from bnlit.speed.threads import load_average, set_threads
+from bnlit.storage import is_storage_error, storage_message
 
 log = logging.getLogger("bnlit")
 
@@ -157,9 +157,9 @@ def run(cfg: DictConfig) -> float | None:
             raise
         refuse(e.__cause__, cfg)
     except OSError as e:
-        if e.errno not in STORAGE_ERRORS:
+        if not is_storage_error(e):
             raise
-        print(f"error: {disk_full_message(e, cfg)}", file=sys.stderr, flush=True)
+        print(f"error: {storage_message(e, cfg.paths.cache_dir, cfg.paths.output_dir)}", file=sys.stderr, flush=True)
         sys.exit(2)
 
 
@@ -175,22 +175,6 @@ def optimized(metrics: dict[str, float], name: str | None) -> float | None:
     if name and name not in metrics and HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
         raise ConfigError(f"optimized_metric={name} was not logged by this run; logged: {sorted(metrics)}")
     return metrics.get(name) if name else None
-
-
-# the write errors that mean the storage, not bnlit, refused: what it is, and what frees it
-STORAGE_ERRORS = {
-    errno.ENOSPC: ("no space left on device", "free space under"),
-    errno.EDQUOT: ("disk quota exceeded", "free space in your quota under"),
-    errno.EFBIG: ("file too large for this process's file-size limit (ulimit -f)", "raise the limit or move"),
-}
-
-
-def disk_full_message(e: OSError, cfg: DictConfig) -> str:
-    what, fix = STORAGE_ERRORS.get(e.errno, STORAGE_ERRORS[errno.ENOSPC])
-    where = f" writing {e.filename}" if e.filename else ""
-    return (f"{what}{where}; {fix} paths.cache_dir={cfg.paths.cache_dir} or "
-            f"paths.output_dir={cfg.paths.output_dir} and rerun (shards and checkpoints are written to a "
-            "temporary name and renamed, so earlier ones are intact)")
 
 
 if __name__ == "__main__":
