@@ -21,8 +21,8 @@ from omegaconf import DictConfig, OmegaConf
 
 import bnlit.resolvers  # noqa: F401  (registers ${bnlit.*} resolvers)
 from bnlit import CONF_DIR
-from bnlit import quiet, run_dir
-from bnlit.checkpointing import prepare_resume, remove_partial_writes
+from bnlit import lost_rank, quiet, run_dir
+from bnlit.checkpointing import newest_checkpoint, prepare_resume, remove_partial_writes
 from bnlit.command_line import check_command_line
 from bnlit.errors import BnlitError, ConfigError
 from bnlit.interrupt import Interrupted
@@ -151,6 +151,7 @@ def run(cfg: DictConfig) -> float | None:
             e.then()  # requeue a SLURM job
         sys.exit(e.exit_code)
     except BnlitError as e:
+        stop_if_a_rank_is_lost(e, cfg)  # a checkpoint save that failed because a peer died
         refuse(e, cfg)
     except InstantiationException as e:  # a constructor's BnlitError, wrapped by hydra.utils.instantiate
         if not isinstance(e.__cause__, BnlitError):
@@ -158,9 +159,27 @@ def run(cfg: DictConfig) -> float | None:
         refuse(e.__cause__, cfg)
     except OSError as e:
         if not is_storage_error(e):
+            stop_if_a_rank_is_lost(e, cfg)
             raise
         print(f"error: {storage_message(e, cfg.paths.cache_dir, cfg.paths.output_dir)}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except Exception as e:
+        stop_if_a_rank_is_lost(e, cfg)
+        raise
+
+
+def stop_if_a_rank_is_lost(e: BaseException, cfg: DictConfig) -> None:
+    """A collective that failed because a peer rank is gone (bnlit/lost_rank.py): one line naming
+    the lost rank and the checkpoint to resume from, then exit at once (``os._exit``: no thread or
+    process-group teardown that could wait on the dead rank)."""
+    if not lost_rank.is_lost_peer_error(e):
+        return
+    newest = newest_checkpoint(Path(cfg.paths.checkpoint_dir))
+    message = lost_rank.lost_rank_message(lost_rank.my_rank(), Path(cfg.paths.output_dir), newest)
+    log.error("%s", message)
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    logging.shutdown()
+    os._exit(lost_rank.EXIT_CODE)
 
 
 def refuse(e: BnlitError, cfg: DictConfig) -> None:
