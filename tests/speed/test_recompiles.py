@@ -80,8 +80,8 @@ def test_h100_rehearsal_with_validation_checkpoint_probe_and_resume_compiles_onc
     out = run_cli(run, "model=tiny", "trainer=h100", "debug=rehearsal")
     assert out.returncode == 0, out.stderr[-4000:]
     first = (run / "train.log").read_text()
-    # the run: validations at start and inside the steps, checkpoints at steps 2 and 4, the parity
-    # probe at step 1 (at the training shape: no compile of its own)
+    # the run: validation at start (step 0) and after steps 2 and 4, checkpoints at 2 and 4, the
+    # parity probe at step 1 (at the training shape: no compile of its own)
     assert "fast-path parity (bf16-mixed, compiled)" in first and (run / "checkpoints" / "step0000002.ckpt").is_file()
     out = run_cli(run, "model=tiny", "trainer=h100", "debug=rehearsal", "ckpt_path=last", "trainer.max_steps=6")
     assert out.returncode == 0, out.stderr[-4000:]
@@ -91,12 +91,11 @@ def test_h100_rehearsal_with_validation_checkpoint_probe_and_resume_compiles_onc
 
     # one process: the fresh run validates first (eval graphs at step 0), then trains (train
     # graphs at its first micro-batch, step 0); the resumed one starts training at step 4 and
-    # compiles its eval graphs at its first validation, inside step 4 (Lightning counts
-    # trainer.val_check_interval in micro-batches: 2 of the 16 that make a step here)
+    # validates after step 6 (no validation at start when resuming)
     expected = [("forward", "eval", 0), ("chunked_loss", "eval", 0), ("forward", "train", 0), ("chunked_loss", "train", 0)]
     assert compiles(first) == expected, [l for l in first.splitlines() if "torch.compile" in l]
     assert compiles(resumed) == [("forward", "train", 4), ("chunked_loss", "train", 4),
-                                 ("forward", "eval", 4), ("chunked_loss", "eval", 4)], \
+                                 ("forward", "eval", 6), ("chunked_loss", "eval", 6)], \
         [l for l in resumed.splitlines() if "torch.compile" in l]
     for part in (first, resumed):
         assert RECOMPILED not in part
