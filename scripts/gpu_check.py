@@ -15,9 +15,13 @@ The checks, in order, one JSON line each (``{"check": name, "ok": ..., ...}``):
    checkpoint saves' times and the compile summary (graphs, recompiles). With ``--profile`` the
    run goes on for 3 more steps under ``torch.profiler`` (``callbacks.throughput.profile_at_step``):
    a chrome trace and a CUDA memory snapshot in the run's ``plots/``, and "where the time went";
-3. ``gpu_tests`` (``--tests``): ``pytest -m gpu`` (the tests marked ``gpu``);
-4. ``bench_cuda`` (``--bench``) and, with ``--switches``, ``scripts/bench.py`` for each loss and SDPA kernel;
-5. ``fsdp_2gpu``: ``trainer=fsdp trainer.devices=2`` for a few steps, when 2 GPUs exist.
+3. ``checkpoint_sharded``: one sharded checkpoint of the model's full training state (weights and
+   AdamW moments on the device) through ``bnlit.checkpointing.ShardedWriter``, the writer of
+   ``trainer=fsdp`` (torch Distributed Checkpoint, asynchronous): ``blocked_s`` (what the step
+   loop waits for: the copy to host memory) and ``total_s`` (complete on disk), with its size;
+4. ``gpu_tests`` (``--tests``): ``pytest -m gpu`` (the tests marked ``gpu``);
+5. ``bench_cuda`` (``--bench``) and, with ``--switches``, ``scripts/bench.py`` for each loss and SDPA kernel;
+6. ``fsdp_2gpu``: ``trainer=fsdp trainer.devices=2`` for a few steps, when 2 GPUs exist.
 
 The budget (``--budget``, 480 s) covers everything from the start, ``prepare`` included: a check
 whose estimate (compile allowance plus its steps at an assumed MFU: a guess, never measured on a
@@ -50,6 +54,7 @@ BUDGET_S = 480  # 8 minutes of a rented GPU, compile included
 ASSUMED_MFU = 0.30  # of the profile's dense bf16 peak
 COMPILE_S = 120  # start-up, data module and the per-block compile of the train and eval graphs
 SAVE_S = 60  # a validation and the checkpoint saves (400m: ~4.5 GiB each of step file and last.ckpt)
+SHARDED_S = 60  # build the model and its AdamW state on the device, one sharded save (~4.5 GiB at 400m)
 TESTS_S = 150  # pytest -m gpu: tiny models, one trainer=h100 step at tiny, compiles included
 BENCH_S = 180
 PROFILE_STEPS = 3
@@ -75,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prepare-only", action="store_true", help="build the data into BNLIT_CACHE and exit (no GPU)")
     ap.add_argument("--rehearse", action="store_true", help="run the checks on the CPU: model=tiny debug=rehearsal")
     ap.add_argument("--override", action="append", default=[], help="extra Hydra override of the runs (repeatable)")
+    ap.add_argument("--sharded-save", type=Path, default=None, help=argparse.SUPPRESS)  # the checkpoint_sharded child
     return ap
 
 
@@ -148,6 +154,9 @@ def plan(args, root: Path, n_gpus: int) -> list[Check]:
               env={"CUDA_VISIBLE_DEVICES": ""}),  # the data on the CPU, before the device is touched
         Check("train_h100", [py, "-m", "bnlit.train", *train], train_estimate_s(cfg, steps), train_dir, needs="prepare"),
     ]
+    sharded = [py, str(Path(__file__).resolve()), "--sharded-save", str(root / "checkpoint_sharded"),
+               *[f"--override={o}" for o in base]]
+    checks.append(Check("checkpoint_sharded", sharded, None if args.rehearse else SHARDED_S))
     if args.tests:
         checks.append(Check("gpu_tests", [py, "-m", "pytest", "-m", "gpu", "-q", "-rs", "-p", "no:cacheprovider",
                                           str(REPO / "tests")], None if args.rehearse else TESTS_S))
@@ -261,6 +270,42 @@ def read_pytest(stdout: str) -> dict:
     return {"tests": counts, "skip_reasons": sorted(set(skips))[:5]}
 
 
+def sharded_save(overrides: list[str], out: Path) -> dict:
+    """One sharded checkpoint of the training state of ``overrides``' model (fp32 weights and
+    AdamW moments, on CUDA when there is one), written by ``ShardedWriter`` as an FSDP2 run writes
+    it (one process here: torch DCP saves without a process group): the seconds the caller was
+    blocked, the seconds until it was complete on disk, and its size."""
+    import torch
+    from hydra.utils import instantiate
+
+    from bnlit.checkpointing import ShardedWriter, sharded_complete
+
+    cfg = compose(overrides)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = instantiate(cfg.model.config)
+    from bnlit.model import Transformer
+
+    net = Transformer(model).to(device)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-4, fused=True)
+    for p in net.parameters():  # one step, so the moments exist as in every checkpoint after step 1
+        p.grad = torch.randn_like(p)
+    opt.step()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    out.mkdir(parents=True, exist_ok=True)
+    path, tmp = out / "step0000001.ckpt", out / ".step0000001.ckpt.tmp"
+    writer = ShardedWriter(async_save=True)
+    t0 = time.perf_counter()
+    writer.save({"state_dict": net.state_dict(), "optimizer_0": opt.state_dict()}, {"global_step": 1, "model_config": model.to_dict()},
+                path, tmp, 0)
+    blocked = time.perf_counter() - t0
+    writer.wait()
+    total = time.perf_counter() - t0
+    size = sum(f.stat().st_size for f in path.iterdir()) if path.is_dir() else 0
+    return {"device": device, "model": cfg.model.config.name, "blocked_s": round(blocked, 2), "total_s": round(total, 2),
+            "gib": round(size / 2**30, 3), "complete": sharded_complete(path), "path": str(path)}
+
+
 # -- running inside the budget --------------------------------------------------------------------
 
 def run_one(check: Check, timeout_s: float) -> tuple[int | None, str, str]:
@@ -311,6 +356,8 @@ def run_checks(checks: list[Check], budget_s: float, emit=print, clock=time.mono
                 line |= read_bench(out)
             elif check.name == "gpu_tests":
                 line |= read_pytest(out)
+            elif check.name == "checkpoint_sharded" and rc == 0:
+                line |= json.loads(out.strip().splitlines()[-1])
         except (ValueError, OSError) as e:
             line |= {"ok": False, "error": f"could not read the results: {e}"}
         if not line["ok"]:
@@ -324,6 +371,9 @@ def run_checks(checks: list[Check], budget_s: float, emit=print, clock=time.mono
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.sharded_save is not None:
+        print(json.dumps(sharded_save(args.override, args.sharded_save)))
+        return 0
     import torch
 
     n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -41,7 +41,9 @@ def test_dry_run_plans_prepared_data_then_the_production_run(capsys):
     out = main(capsys, "--dry-run", "--steps", "7", "--out", "/tmp/x")
     assert out.returncode == 0, out.stderr
     plan = lines(out)
-    assert [l["check"] for l in plan] == ["prepare", "train_h100", "fsdp_2gpu", "budget"]
+    assert [l["check"] for l in plan] == ["prepare", "train_h100", "checkpoint_sharded", "fsdp_2gpu", "budget"]
+    assert plan[2]["command"][2:4] == ["--sharded-save", "/tmp/x/checkpoint_sharded"]
+    assert {"--override=model=400m", "--override=trainer=h100"} <= set(plan[2]["command"])
     prepare, train = plan[0]["command"], plan[1]["command"]
     assert prepare[1:3] == ["-m", "bnlit.prepare"] and {"model=400m", "trainer=h100"} <= set(prepare)
     assert train[1:3] == ["-m", "bnlit.train"]
@@ -60,7 +62,8 @@ def test_profile_tests_and_bench_join_the_plan(capsys):
     out = main(capsys, "--dry-run", "--profile", "--tests", "--bench", "--steps", "10", "--budget", "300", "--out", "/tmp/x")
     assert out.returncode == 0, out.stderr
     checks = {l["check"]: l.get("command") for l in lines(out)}
-    assert list(checks) == ["prepare", "train_h100", "gpu_tests", "bench_cuda", "fsdp_2gpu", "budget"]
+    assert list(checks) == ["prepare", "train_h100", "checkpoint_sharded", "gpu_tests", "bench_cuda", "fsdp_2gpu",
+                            "budget"]
     # 3 more steps, traced after the measured window of 10
     assert {"trainer.max_steps=13", "callbacks.throughput.profile_at_step=10",
             "callbacks.throughput.log_every_n_steps=10"} <= set(checks["train_h100"])
@@ -124,10 +127,11 @@ def test_a_tiny_budget_on_the_command_line_stops_prepare_and_skips_the_run(tmp_p
     out = main(capsys, "--rehearse", "--budget", "0.5", "--out", str(tmp_path))
     got = lines(out)
     assert out.returncode == 1, out.stderr[-2000:]
-    assert [l["check"] for l in got] == ["prepare", "train_h100", "budget"]
+    assert [l["check"] for l in got] == ["prepare", "train_h100", "checkpoint_sharded", "budget"]
     assert got[0]["ok"] is False and "stopped at the end of the 0.5 s budget" in got[0]["error"]
-    assert got[1]["ok"] is None and got[1]["skipped"] in ("prepare failed", "the 0.5 s budget is spent")
-    assert got[2]["skipped"] == ["train_h100"]
+    assert got[1]["ok"] is None and got[1]["skipped"] == "prepare failed"
+    assert got[2]["ok"] is None and got[2]["skipped"] == "the 0.5 s budget is spent"
+    assert got[3]["skipped"] == ["train_h100", "checkpoint_sharded"]
 
 
 @pytest.mark.slow
@@ -143,7 +147,7 @@ def test_rehearsed_check_prints_every_figure_as_json_lines(tmp_path, cache_dir):
               timeout=1500)
     got = {l["check"]: l for l in lines(out)}
     assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-3000:])
-    assert list(got) == ["prepare", "train_h100", "gpu_tests", "budget"]
+    assert list(got) == ["prepare", "train_h100", "checkpoint_sharded", "gpu_tests", "budget"]
     assert got["prepare"]["ok"] is True
     train = got["train_h100"]
     assert train["ok"] is True
@@ -159,7 +163,20 @@ def test_rehearsed_check_prints_every_figure_as_json_lines(tmp_path, cache_dir):
     assert saves == {"step0000006.ckpt", "last.ckpt"} and all(s["s"] > 0 for s in train["checkpoint_saves"])
     assert train["profile"].startswith(f"profile: where the time went ({3} steps, ")
     assert [Path(f).name for f in train["profile_files"]] == ["profile_step4.json"]  # steps 4-6, after the window
+    sharded = got["checkpoint_sharded"]
+    assert sharded["ok"] is True and sharded["complete"] is True and sharded["model"] == "tiny"
+    assert 0 < sharded["blocked_s"] <= sharded["total_s"] and sharded["gib"] > 0
     tests = got["gpu_tests"]
     assert tests["ok"] is True and tests["tests"]["skipped"] >= 5 and "passed" not in tests["tests"]
     assert tests["skip_reasons"] == ["machine: no CUDA device"]
     assert got["budget"]["skipped"] == []
+
+
+def test_the_sharded_save_check_writes_a_complete_dcp_checkpoint(tmp_path):
+    result = gpu_check.sharded_save(["model=tiny", "trainer=h100", "debug=rehearsal"], tmp_path)
+    assert result["complete"] is True and result["device"] == "cpu" and result["model"] == "tiny"
+    assert 0 < result["blocked_s"] <= result["total_s"] and result["gib"] > 0
+    from bnlit.checkpointing import read_checkpoint
+
+    ckpt = read_checkpoint(result["path"])  # gathered back by the reader export and evaluate use
+    assert ckpt["global_step"] == 1 and "output.weight" in ckpt["state_dict"]
