@@ -35,6 +35,7 @@ debug=rehearsal``) and ``--dry-run`` prints the plan (both anywhere).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -318,7 +319,8 @@ def run_one(check: Check, timeout_s: float) -> tuple[int | None, str, str]:
         out, err = proc.communicate(timeout=max(timeout_s, 0.1))
         return proc.returncode, out, err
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):  # it may have ended on its own just now
+            os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
         return None, out, err
 
@@ -370,7 +372,10 @@ def run_checks(checks: list[Check], budget_s: float, emit=print, clock=time.mono
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.steps < 2:
+        parser.error(f"--steps {args.steps}: must be >= 2 (the first step compiles and stays out of the window)")
     if args.sharded_save is not None:
         print(json.dumps(sharded_save(args.override, args.sharded_save)))
         return 0
