@@ -267,7 +267,8 @@ def read_pytest(stdout: str) -> dict:
     """The counts of pytest's last summary line ("3 passed, 2 skipped in 4.1s") and its skip reasons."""
     tail = stdout.strip().splitlines()[-1] if stdout.strip() else ""
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", tail)}
-    skips = [l.split("] ", 1)[-1] for l in stdout.splitlines() if l.startswith("SKIPPED")]
+    # "SKIPPED [2] tests/test_gpu.py:63: machine: no CUDA device" -> the reason
+    skips = [re.sub(r"^\S+:\d+: ", "", l.split("] ", 1)[-1]) for l in stdout.splitlines() if l.startswith("SKIPPED")]
     return {"tests": counts, "skip_reasons": sorted(set(skips))[:5]}
 
 

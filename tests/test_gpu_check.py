@@ -160,7 +160,7 @@ def test_rehearsed_check_prints_every_figure_as_json_lines(tmp_path, cache_dir):
     assert train["compile"].startswith("torch.compile: 4 graphs (train 2, eval 2), 0 recompiles")
     assert train["recompile_warnings"] == 0
     saves = {s["file"] for s in train["checkpoint_saves"]}
-    assert saves == {"step0000006.ckpt", "last.ckpt"} and all(s["s"] > 0 for s in train["checkpoint_saves"])
+    assert saves == {"step0000006.ckpt", "last.ckpt"} and all(s["s"] >= 0 and s["gib"] >= 0 for s in train["checkpoint_saves"])
     assert train["profile"].startswith(f"profile: where the time went ({3} steps, ")
     assert [Path(f).name for f in train["profile_files"]] == ["profile_step4.json"]  # steps 4-6, after the window
     sharded = got["checkpoint_sharded"]
@@ -180,3 +180,10 @@ def test_the_sharded_save_check_writes_a_complete_dcp_checkpoint(tmp_path):
 
     ckpt = read_checkpoint(result["path"])  # gathered back by the reader export and evaluate use
     assert ckpt["global_step"] == 1 and "output.weight" in ckpt["state_dict"]
+
+
+def test_the_tests_line_counts_pytests_summary_and_its_skip_reasons():
+    out = ("ss.F\nSKIPPED [2] tests/test_gpu.py:63: machine: no CUDA device\n"
+           "SKIPPED [1] tests/checks/test_x.py:9: machine: no CUDA device\n1 failed, 1 passed, 3 skipped in 4.10s\n")
+    assert gpu_check.read_pytest(out) == {"tests": {"failed": 1, "passed": 1, "skipped": 3},
+                                          "skip_reasons": ["machine: no CUDA device"]}
