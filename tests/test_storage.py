@@ -180,6 +180,49 @@ def test_metrics_log_full_during_a_run_is_one_line_and_the_run_resumes(cli, tmp_
     assert {0, 1, 2, 3} <= set(steps)  # the rows before the refusal kept, the resumed steps added
 
 
+class FillingFile:
+    """A text stream that refuses writes like a full disk's write() once ``full()`` is true."""
+
+    def __init__(self, stream, full):
+        self.stream, self.full = stream, full
+
+    def write(self, text: str) -> int:
+        if self.full():
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return self.stream.write(text)
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+@pytest.mark.slow  # two short runs (~20 s)
+def test_run_log_full_during_a_run_is_one_line_and_the_run_resumes(cli, tmp_path, monkeypatch):
+    """train.log on a disk that fills mid-run: logging printed "--- Logging error ---" and a
+    traceback for every record after it while the run went on; now the first refused record ends
+    the run in the one line, the checkpoints intact, and the rerun with ``ckpt_path=last`` once
+    space is freed completes (planted: a limit would refuse the larger checkpoint first)."""
+    import logging
+
+    real_open = logging.FileHandler._open
+    run = tmp_path / "r"
+    first = run / "checkpoints" / "step0000002.ckpt"  # the disk fills once it is written
+    monkeypatch.setattr(logging.FileHandler, "_open", lambda self: FillingFile(real_open(self), first.exists))
+    code, err = cli(run, "trainer.max_steps=6")
+    assert code == 2, "\n".join(err)
+    assert only_error(err).startswith(f"error: no space left on device writing {run}/train.log; free space under ")
+    assert not [line for line in err if "Logging error" in line or "Traceback" in line]
+    log = (run / "train.log").read_text()
+    assert "gradient flow: " in log  # the records before the disk filled
+    # the run logs nothing more until its end-of-run report: every checkpoint was written, whole
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 6
+    monkeypatch.setattr(logging.FileHandler, "_open", real_open)
+    code, err = cli(run, "trainer.max_steps=6", "ckpt_path=last")
+    assert code == 0, "\n".join(err)
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 6
+    assert (run / "train.log").read_text().startswith(log)  # appended to, not replaced
+    assert temp_files(run) == []
+
+
 # ---- the embedded corpus and the datasets cache ------------------------------------------------
 def test_embedded_corpus_reads_under_a_file_size_limit():
     """sqlite sorted the books in a temporary file, which a file-size limit (or a full /var/tmp)
