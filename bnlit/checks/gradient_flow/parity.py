@@ -16,11 +16,11 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from bnlit.checks.gradient_flow.params import INF, Reduce, _local, _reduce, unique_trainable
 from bnlit.checks.gradient_flow.rounding import RoundLikeAutocast
 
-# A correct fast path may miss the exact gradient by up to this many times the rounding floor (the
-# miss of the fp32 emulation of its rounding, bnlit.checks.gradient_flow.rounding): the two round at
-# the same points but not the same elements; the ratio was at most 3.5 over the measured healthy
-# bf16 states (docs/gradient-flow.md, "The rounding floor").
-FLOOR_FACTOR = 4.0
+# A correct fast path may miss the exact gradient by up to this many times its rounding floor (the
+# miss of the fp32 emulation of its rounding, bnlit.checks.gradient_flow.rounding): both round at the
+# same points, not always the same elements. Measured: at most 3.6x where the floor decided a verdict,
+# 4.8x on any parameter (docs/gradient-flow.md, "The rounding floor"); 6 leaves a margin of 1.25-1.7x.
+FLOOR_FACTOR = 6.0
 
 
 def slice_batch(batch, samples: int | None = None, seq_len: int | None = None):
@@ -168,8 +168,10 @@ class ParityReport:
         floor = ""
         if self.floor:
             worst = max(self.floor, key=lambda n: self.floor[n]["floor"])
+            ratio = max((self.rel_error[n] / f["floor"] for n, f in self.floor.items() if f["floor"] > 0 and n in
+                         self.rel_error), default=0.0)
             floor = (f"; rounding floor up to {self.floor[worst]['floor']:.4f} ({worst}), "
-                     f"{len(self.widened)} tolerance(s) widened by it")
+                     f"{len(self.widened)} tolerance(s) widened by it, miss/floor up to {ratio:.2f}")
         return (f"fast-path parity ({precision}{', compiled' if compiled else ''}): {self.num_ok}/{len(self.names)} "
                 f"parameters within tolerance (min cosine {self.worst_cosine:.5f}, max relative norm error "
                 f"{self.worst_rel_norm_error:.4f}{floor})")
