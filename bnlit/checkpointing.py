@@ -56,6 +56,7 @@ from bnlit.errors import CheckpointError
 from bnlit.evaluation.heldout import empty_transformer
 from bnlit.interrupt import requeued_slurm_job
 from bnlit.model import ModelConfig, Transformer
+from bnlit.storage import storage_cause
 from bnlit.strategy import strategy_class
 from bnlit.tokenizer import Tokenizer
 
@@ -196,20 +197,31 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = tmp_name(path)
+        start = time.perf_counter()
         try:
             with open(tmp, "wb") as f:
                 self._serialize(checkpoint, f)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
-        except OSError as e:
+        except Exception as failed:
             with contextlib.suppress(OSError):
                 tmp.unlink()
-            hint = "free disk space or point paths.checkpoint_dir elsewhere" if e.errno == errno.ENOSPC else "check the directory"
+            # a full disk inside torch.save surfaces as the zip writer's "unexpected pos" RuntimeError,
+            # raised while the OSError that caused it is being handled
+            e = failed if isinstance(failed, OSError) else storage_cause(failed)
+            if e is None:
+                raise
+            hint = {errno.ENOSPC: "free disk space or point paths.checkpoint_dir elsewhere",
+                    errno.EDQUOT: "free space in your quota or point paths.checkpoint_dir elsewhere",
+                    errno.EFBIG: "raise this process's file-size limit (ulimit -f) or lower the model's size",
+                    }.get(e.errno, "check the directory")
             raise CheckpointError(f"cannot write checkpoint {path}: {e.strerror or e}; {hint} "
                                   "(the previous checkpoint is intact)") from None
         _fsync_dir(path.parent)
-        log.debug("saved checkpoint %s", path)
+        # serialised, written and synced (scripts/gpu_check.py reads this line)
+        log.info("checkpoint: saved %s (%.2f GiB) in %.1f s", path.name, path.stat().st_size / 2**30,
+                 time.perf_counter() - start)
 
     def load_checkpoint(self, path, map_location: Callable | Any = None, weights_only: bool | None = True) -> dict[str, Any]:
         cached = self._preloaded.pop(str(path), None)

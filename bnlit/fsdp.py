@@ -9,6 +9,7 @@ from pathlib import Path
 
 from lightning.pytorch.strategies import ModelParallelStrategy
 
+from bnlit import lost_rank
 from bnlit.checkpointing import ShardedWriter, tmp_name
 
 log = logging.getLogger("bnlit")
@@ -26,6 +27,7 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     def setup_environment(self) -> None:
         super().setup_environment()
+        lost_rank.record_peers()  # so a rank that dies is named (bnlit/lost_rank.py)
         if self.sharded_writer is not None:
             self.sharded_writer.setup()
 

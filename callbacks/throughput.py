@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from pathlib import Path
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -25,6 +26,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from bnlit.errors import ConfigError
 from bnlit.tokenizer import EOS_ID
 from bnlit.speed.flops import attended_pairs, flops_per_token
+from bnlit.speed.profiling import StepProfiler
 from bnlit.speed.throughput import (
     LowMFUError,
     MFUFloor,
@@ -53,17 +55,27 @@ class ThroughputMonitor(Callback):
         ``conf/hardware/*.yaml``): its peak stands in for a CUDA device the table does not know by
         name, a run on another device than the profile's is warned about, and the ``fast path:``
         line names it (on a CPU rehearsal too, beside the measured peak the CPU run uses).
+    profile_at_step: take one ``torch.profiler`` trace of ``profile_steps`` optimizer steps from
+        this step on (``bnlit.speed.profiling.StepProfiler``): its "where the time went" line in the
+        log, the chrome trace (and on CUDA the allocator's memory snapshot, for
+        pytorch.org/memory_viz) in ``<run dir>/plots/``. None: no trace
+        (``scripts/gpu_check.py --profile`` sets it after its measured window).
+    profile_steps: optimizer steps in that trace.
     clock: the timer (``time.perf_counter``; tests inject a fake one).
     **floor: those of :class:`bnlit.speed.throughput.MFUFloor` (min_mfu_pct, cpu_min_mfu_pct,
         warmup_steps, patience, on_low_mfu), kept as ``self.floor``.
     """
 
     def __init__(self, window_steps: int = 50, log_every_n_steps: int | None = None, peak_tflops: float | None = None,
-                 hardware: Mapping[str, Any] | None = None, clock: Callable[[], float] = time.perf_counter,
-                 **floor: Any):
+                 hardware: Mapping[str, Any] | None = None, profile_at_step: int | None = None, profile_steps: int = 3,
+                 clock: Callable[[], float] = time.perf_counter, **floor: Any):
         if log_every_n_steps is not None and log_every_n_steps < 1:
             raise ConfigError(f"callbacks.throughput.log_every_n_steps={log_every_n_steps}: must be >= 1 or null")
+        if profile_steps < 1:
+            raise ConfigError(f"callbacks.throughput.profile_steps={profile_steps}: must be >= 1")
         self.floor = MFUFloor(**floor)
+        self.profiler = StepProfiler(profile_steps, profile_at_step)
+        self.profile: dict[str, Any] | None = None  # the trace's split and files, once taken
         self.timer = StepTimer(window_steps, clock)
         self.log_every_n_steps, self.peak_tflops = log_every_n_steps, peak_tflops
         self.hardware = dict(hardware) if hardware else None
@@ -103,6 +115,8 @@ class ThroughputMonitor(Callback):
         return self._fpt[seq_len]
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
+        if self.profiler.due(trainer.global_step, batch_idx % trainer.accumulate_grad_batches == 0):
+            self.profiler.start(pl_module.device, memory=True)
         self.timer.batch_start()
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
@@ -121,11 +135,24 @@ class ThroughputMonitor(Callback):
         if self.timer.batch_end(tokens, samples, float(tokens * self._flops_per_token(seq_len)), stepped):
             self._pairs_window.append(self._pairs)
             self._pairs = None
+        if stepped and self.profiler.running and self.profiler.finished(step):
+            self._stop_profile(trainer, pl_module)
         if stepped and self.timer.steps == 1:
             self.timer.reset_window()  # the first step holds compilation and allocator warm-up
             self._pairs_window.clear()
         if due and self.timer.window:
             self._report(trainer, pl_module, step)
+
+    def _stop_profile(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        out = Path(trainer.default_root_dir) / "plots" if trainer.is_global_zero else None
+        split, files = self.profiler.stop(pl_module.device, out)
+        self.profile = {"line": split.line(), "files": [str(f) for f in files], **split.to_dict()}
+        if trainer.is_global_zero:
+            log.info("profile: %s; %s", split.line(), ", ".join(str(f) for f in files))
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.profiler.running:  # the run ended inside the traced steps: keep what was traced
+            self._stop_profile(trainer, pl_module)
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.timer.pause()

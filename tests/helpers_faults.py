@@ -32,3 +32,39 @@ class Poison(L.Callback):
         if self.handle is not None:
             self.handle.remove()
             self.handle = None
+
+
+class KillRank(L.Callback):
+    """Test-only: SIGKILL rank ``rank`` at optimizer step ``step``: ``where="step"`` between its
+    forward and backward (the other ranks are then in the step's collectives), ``where="save"``
+    while the asynchronous checkpoint save of that step writes its shards."""
+
+    def __init__(self, rank: int, step: int, where: str = "step", stamp: str | None = None):
+        self.rank, self.step, self.where, self.stamp = rank, step, where, stamp
+
+    def _die(self):
+        import os
+        import signal
+        import time
+
+        if self.stamp:  # when it died, for the test's time bound
+            with open(self.stamp, "w") as f:
+                f.write(str(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        if self.where == "step" and trainer.global_rank == self.rank and trainer.global_step == self.step:
+            self._die()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        # before ModelCheckpoint's save of this step (callbacks run in order; ModelCheckpoint last)
+        if self.where == "save" and trainer.global_rank == self.rank and trainer.global_step == self.step:
+            from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+            write_data, die = FileSystemWriter.write_data, self._die
+
+            def dying(writer, plan, planner):
+                die()
+                return write_data(writer, plan, planner)
+
+            FileSystemWriter.write_data = dying
