@@ -547,17 +547,23 @@ def checkpoint_bench(models: list[str], reps: int) -> dict:
         for rep in range(reps):
             k = rep % len(CHECKPOINT_MODES)
             for mode in CHECKPOINT_MODES[k:] + CHECKPOINT_MODES[:k]:
-                with tempfile.TemporaryDirectory(prefix="bnlit_ckpt_bench_") as tmp, socket.socket() as sock:
-                    sock.bind(("127.0.0.1", 0))
-                    port = sock.getsockname()[1]
-                    sock.close()
-                    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-                           f"--master-port={port}", __file__, "--checkpoint-child", mode, "--model", model,
-                           "--override", tmp]
-                    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-                    if done.returncode != 0:
-                        raise RuntimeError(f"checkpoint bench {mode} {model} failed: {done.stderr[-2000:]}")
-                    r = json.loads(done.stdout.strip().splitlines()[-1])
+                for attempt in (1, 2):  # a shared machine: another process may take the free port first
+                    with tempfile.TemporaryDirectory(prefix="bnlit_ckpt_bench_") as tmp, socket.socket() as sock:
+                        sock.bind(("127.0.0.1", 0))
+                        port = sock.getsockname()[1]
+                        sock.close()
+                        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                               f"--master-port={port}", __file__, "--checkpoint-child", mode, "--model", model,
+                               "--override", tmp]
+                        done = subprocess.run(cmd, capture_output=True, text=True,
+                                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+                    if done.returncode == 0:
+                        break
+                    errors = [l for l in done.stderr.splitlines() if "Error" in l][:3]
+                    print(f"checkpoints {model} {mode} attempt {attempt} failed: {errors}", file=sys.stderr, flush=True)
+                else:
+                    raise RuntimeError(f"checkpoint bench {mode} {model} failed twice: {done.stderr[-2000:]}")
+                r = json.loads(done.stdout.strip().splitlines()[-1])
                 runs[mode].append(r)
                 print(f"checkpoints {model} rep {rep + 1}/{reps} {mode:5s}: blocked {r['blocked_s']:.2f} s, complete "
                       f"{r['complete_s']:.2f} s, rank 0 peak +{r['rank0_peak_growth_mib']:.0f} MiB",
