@@ -246,7 +246,7 @@ def read_run(run_dir: Path) -> dict:
         "val_loss": last(series, "val/loss"),
         "parity": pick("fast-path parity"),
         "fast_path": pick("fast path: "),
-        "compile": next((l for l in lines if l.startswith("torch.compile: ") and " graphs (" in l), None),
+        "compile": next((l for l in lines if re.match(r"torch\.compile: \d+ graphs? \(", l)), None),
         "recompile_warnings": sum("recompiled after warm-up" in l for l in lines),
         "checkpoint_saves": [{"file": m[1], "gib": float(m[2]), "s": float(m[3])}
                              for m in map(SAVED.search, lines) if m],

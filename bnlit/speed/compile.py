@@ -165,8 +165,10 @@ class CompileWatch:
             if not e.recompile:
                 kinds[e.kind] = kinds.get(e.kind, 0) + 1
         per_kind = ", ".join(f"{k} {n}" for k, n in sorted(kinds.items(), key=lambda kv: kv[0] != "train"))
-        return (f"torch.compile: {len(self.events) - len(self.recompiles)} graphs ({per_kind or 'none'}), "
-                f"{len(self.recompiles)} recompiles, {self.seconds():.1f} s compiling")
+        graphs, recompiles = len(self.events) - len(self.recompiles), len(self.recompiles)
+        plural = lambda n: "" if n == 1 else "s"  # noqa: E731
+        return (f"torch.compile: {graphs} graph{plural(graphs)} ({per_kind or 'none'}), "
+                f"{recompiles} recompile{plural(recompiles)}, {self.seconds():.1f} s compiling")
 
     def seconds(self) -> float:
         """Compile time of this watch's graphs, forward and backward, as Dynamo recorded it."""

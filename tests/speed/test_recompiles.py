@@ -69,7 +69,7 @@ def test_a_planted_shape_change_is_warned_with_the_step_and_dynamos_reason(caplo
     assert len(warned) == 1, warned  # the short batch trains in step 2 (0-based), reported once
     assert RECOMPILED + " at step 2: forward (bnlit/model.py:" in warned[0] and "[train]" in warned[0], warned
     assert "size mismatch at index 0. expected 4, actual 2" in warned[0], warned[0]
-    assert module.compile_watch.summary().startswith("torch.compile: 1 graphs (train 1), 1 recompiles")
+    assert module.compile_watch.summary().startswith("torch.compile: 1 graph (train 1), 1 recompile,")
 
 
 @pytest.mark.slow
