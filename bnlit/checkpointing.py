@@ -11,7 +11,8 @@ counters) plus two entries of our own:
   states. ``BnDataModule.state_dict``/``load_state_dict`` write and restore it; the sampler maths
   lives with the sampler in :mod:`bnlit.data.dataset` (``resume_start``).
 
-Writes are atomic (:class:`AtomicCheckpointIO`); reads use ``weights_only=True`` and fail in one
+Writes are atomic (:class:`AtomicCheckpointIO`; an FSDP2 run's sharded, asynchronous saves:
+:class:`ShardedWriter`); reads use ``weights_only=True`` and fail in one
 line naming the file (:func:`read_checkpoint`, :func:`load_model`); the resume policy
 (:func:`resolve_ckpt_path`, :func:`prepare_resume`) refuses a fresh run over old checkpoints,
 a missing file or a model of another shape before anything expensive starts.
@@ -34,10 +35,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import io
 import logging
 import os
 import pickle
 import shutil
+import threading
+import time
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -52,6 +56,7 @@ from bnlit.errors import CheckpointError
 from bnlit.evaluation.heldout import empty_transformer
 from bnlit.interrupt import requeued_slurm_job
 from bnlit.model import ModelConfig, Transformer
+from bnlit.storage import storage_cause
 from bnlit.strategy import strategy_class
 from bnlit.tokenizer import Tokenizer
 
@@ -104,9 +109,10 @@ def remove_partial_writes(checkpoint_dir: Path) -> list[Path]:
     """Delete the temporary files of checkpoint writes that were killed; return what was removed."""
     if not checkpoint_dir.is_dir():
         return []
-    gone = [p for p in checkpoint_dir.glob(f".*{TMP_MARK}*") if p.is_file()]
+    gone = [p for p in checkpoint_dir.glob(f".*{TMP_MARK}*") if p.is_file() or p.is_dir()]
+    gone += [p for p in checkpoint_dir.glob(".*.old*") if p.is_dir()]  # a sharded re-save's replaced directory
     for p in gone:
-        p.unlink(missing_ok=True)
+        _remove_checkpoint_path(p)
         log.info("removed %s: the partial write of a killed process", p)
     return gone
 
@@ -191,20 +197,31 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = tmp_name(path)
+        start = time.perf_counter()
         try:
             with open(tmp, "wb") as f:
                 self._serialize(checkpoint, f)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
-        except OSError as e:
+        except Exception as failed:
             with contextlib.suppress(OSError):
                 tmp.unlink()
-            hint = "free disk space or point paths.checkpoint_dir elsewhere" if e.errno == errno.ENOSPC else "check the directory"
+            # a full disk inside torch.save surfaces as the zip writer's "unexpected pos" RuntimeError,
+            # raised while the OSError that caused it is being handled
+            e = failed if isinstance(failed, OSError) else storage_cause(failed)
+            if e is None:
+                raise
+            hint = {errno.ENOSPC: "free disk space or point paths.checkpoint_dir elsewhere",
+                    errno.EDQUOT: "free space in your quota or point paths.checkpoint_dir elsewhere",
+                    errno.EFBIG: "raise this process's file-size limit (ulimit -f) or lower the model's size",
+                    }.get(e.errno, "check the directory")
             raise CheckpointError(f"cannot write checkpoint {path}: {e.strerror or e}; {hint} "
                                   "(the previous checkpoint is intact)") from None
         _fsync_dir(path.parent)
-        log.debug("saved checkpoint %s", path)
+        # serialised, written and synced (scripts/gpu_check.py reads this line)
+        log.info("checkpoint: saved %s (%.2f GiB) in %.1f s", path.name, path.stat().st_size / 2**30,
+                 time.perf_counter() - start)
 
     def load_checkpoint(self, path, map_location: Callable | Any = None, weights_only: bool | None = True) -> dict[str, Any]:
         cached = self._preloaded.pop(str(path), None)
@@ -212,6 +229,160 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             return cached
         return super().load_checkpoint(path, map_location=map_location or "cpu",
                                        weights_only=True if weights_only is None else weights_only)
+
+
+# -- sharded (torch DCP) writes, asynchronous ------------------------------------------------------
+
+class ShardedWriter:
+    """The sharded checkpoints of an FSDP2 run (:class:`bnlit.fsdp.FSDP2Strategy`): every rank
+    writes its own shard of the model and optimizer through torch Distributed Checkpoint, rank 0
+    writes the rest of Lightning's checkpoint (step, loops, scheduler, callbacks, the data module's
+    sampler position and every rank's RNG states) as ``meta.pt``; nothing is gathered.
+
+    Asynchronous (``async_save``): :func:`torch.distributed.checkpoint.async_save` copies this rank's
+    shards into host memory (the step loop waits for that copy only) and writes them from a
+    background thread over a process group of its own (gloo), so its collectives never interleave
+    with training's. The previous save is awaited before the next starts and at teardown (the end
+    of fit, an exception, SIGTERM/Ctrl-C through :mod:`bnlit.interrupt`).
+
+    Complete or absent: the shards go to ``.<name>.tmp<pid>``; when DCP's ``.metadata`` index is on
+    disk (rank 0's save future resolves after every rank's shard is written), rank 0 writes
+    ``meta.pt`` (atomically), then renames the directory to ``<name>``: the rename is the completion
+    marker, and a save killed before it leaves only a temporary directory that ``ckpt_path=last``
+    never sees and the next start removes (:func:`remove_partial_writes`). Removals that
+    ``save_top_k`` asks for while a save is in flight wait for it, so a crash never leaves fewer
+    complete checkpoints than before the save. A second save of the same step (``ModelCheckpoint``'s
+    ``last.ckpt`` after ``step*.ckpt``) is a symlink to the first, not a second write."""
+
+    def __init__(self, async_save: bool = True):
+        self.async_save = async_save
+        self.group = None  # the gloo group the background writes use
+        self.pending: Any = None  # this rank's future of the save in flight
+        self.error: BaseException | None = None
+        self.last: tuple[int, Path] | None = None  # (step, path) of the newest save
+        self.blocked_s: list[float] = []  # how long each save held the caller (scripts/bench.py)
+        self._lock = threading.Lock()
+        self._in_flight: Path | None = None  # rank 0: the final path of the save in flight
+        self._removals: list[Path] = []
+
+    def setup(self) -> None:
+        """Every rank, once the default process group exists (a collective)."""
+        import torch.distributed as dist
+
+        if self.async_save and dist.is_available() and dist.is_initialized() and self.group is None:
+            self.group = dist.new_group(backend="gloo")
+
+    def save(self, state: dict[str, Any], meta: dict[str, Any], path: Path, tmp: Path, rank: int) -> None:
+        """Save ``state`` (``state_dict`` and ``optimizer_<i>``: sharded tensors) and ``meta``
+        (rank 0's) as the sharded checkpoint ``path``; ``path`` and ``tmp`` are the same on every rank."""
+        import torch.distributed.checkpoint as dcp
+
+        start = time.perf_counter()
+        self.wait()
+        step = meta.get("global_step")
+        if self.last is not None and self.last[0] == step and self.last[1] != path:
+            if rank == 0:
+                _replace_with_link(path, self.last[1])
+            self.blocked_s.append(time.perf_counter() - start)
+            return
+        buf = io.BytesIO()  # meta is small: serialized now, so it is this step's whatever happens next
+        torch.save(meta, buf)
+        finish = (lambda: _finish_sharded(tmp, path, buf.getvalue())) if rank == 0 else (lambda: None)
+        self.last = (step, path)
+        with self._lock:
+            self._in_flight = path
+        if self.async_save:
+            self.pending = dcp.async_save(state, checkpoint_id=tmp, process_group=self.group)
+            self.pending.add_done_callback(lambda f: self._done(f, finish, path))
+        else:
+            try:
+                dcp.save(state, checkpoint_id=tmp)
+                finish()
+            finally:
+                self._after(path)
+        self.blocked_s.append(time.perf_counter() - start)
+
+    def _done(self, future, finish: Callable[[], None], path: Path) -> None:
+        """In the writer thread: mark the checkpoint complete (rank 0), then the waiting removals."""
+        try:
+            future.result()
+            finish()
+        except BaseException as e:  # noqa: BLE001 - surfaced by wait()
+            self.error = e
+        finally:
+            self._after(path)
+
+    def _after(self, path: Path) -> None:
+        with self._lock:
+            self._in_flight = None
+            removals, self._removals = self._removals, []
+        for p in removals:
+            if p != path:
+                _remove_checkpoint_path(p)
+
+    def remove(self, path: str | os.PathLike) -> None:
+        """Rank 0: remove a checkpoint (``save_top_k``), after the save in flight completes."""
+        path = Path(path)
+        with self._lock:
+            if self._in_flight is not None:
+                if path != self._in_flight:
+                    self._removals.append(path)
+                return
+        _remove_checkpoint_path(path)
+
+    def wait(self) -> None:
+        """Block until the save in flight is on disk and marked complete; re-raise its failure."""
+        if self.pending is not None:
+            with contextlib.suppress(BaseException):
+                self.pending.result()
+            self.pending = None
+        # the done-callback may still be running (meta.pt, rename) right after result() returns
+        while True:
+            with self._lock:
+                if self._in_flight is None:
+                    break
+            time.sleep(0.005)
+        if self.error is not None:
+            e, self.error = self.error, None
+            raise CheckpointError(f"sharded checkpoint save failed ({type(e).__name__}: "
+                                  f"{(str(e).strip().splitlines() or [''])[0][:160]}); the previous checkpoint is intact") from e
+
+
+def _finish_sharded(tmp: Path, path: Path, meta: bytes) -> None:
+    """Rank 0, after every shard and DCP's ``.metadata``: ``meta.pt``, then the directory's name."""
+    marker = tmp / SHARDED_MARKERS[-1]
+    part = tmp_name(marker)
+    with open(part, "wb") as f:
+        f.write(meta)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(part, marker)
+    _fsync_dir(tmp)
+    old = None
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.is_dir():  # the same name saved again (a resumed run reaching the same step)
+        old = path.with_name(f".{path.name}.old{os.getpid()}")
+        os.replace(path, old)
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    log.debug("saved sharded checkpoint %s", path)
+
+
+def _replace_with_link(path: Path, target: Path) -> None:
+    """``path`` becomes a relative symlink to the checkpoint ``target`` (of the same step)."""
+    _remove_checkpoint_path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.symlink(os.path.relpath(target, path.parent), path)
+
+
+def _remove_checkpoint_path(path: Path) -> None:
+    if path.is_symlink() or path.is_file():
+        path.unlink(missing_ok=True)
+    elif path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
 
 
 # -- reading and validating -----------------------------------------------------------------------
@@ -359,7 +530,10 @@ def resolve_ckpt_path(ckpt_path: str | None, checkpoint_dir: Path, overwrite: bo
         torn = f" ({len(existing)} .ckpt files do not open: truncated or corrupt)" if existing else ""
         raise CheckpointError(f"ckpt_path=last: no complete checkpoint in {checkpoint_dir}{torn}; "
                               "set hydra.run.dir to the run you want to resume")
-    if not Path(ckpt_path).is_file():
+    if Path(ckpt_path).is_dir() and not sharded_complete(ckpt_path):
+        raise CheckpointError(f"ckpt_path={ckpt_path}: a directory but not a complete sharded checkpoint (an "
+                              "interrupted save); pass an earlier step directory or ckpt_path=last")
+    if not Path(ckpt_path).is_file() and not Path(ckpt_path).is_dir():
         raise CheckpointError(f"ckpt_path={ckpt_path}: no such file; pass an existing .ckpt or ckpt_path=last")
     return ckpt_path
 

@@ -34,6 +34,12 @@ in llama.cpp's tokenizer and are handled here:
 - SentencePiece strips and collapses runs of spaces (``remove_extra_whitespaces``); llama.cpp
   does not. :func:`gguf_text` is the pre-call: bnlit's normalisation and that whitespace rule.
   With it llama.cpp's ids equal :meth:`Tokenizer.encode`'s (``tests/test_gguf.py``).
+
+llama.cpp applies no normalisation either, and raw text often spells a piece otherwise (most
+keyboards type the precomposed য় ড় ঢ় that bnlit decomposes). The file therefore carries, after the
+model's rows, a token for each other spelling of a piece, with the piece's embedding and output
+rows (:mod:`bnlit.raw_spellings`, ``raw_spellings=``): llama.cpp fed raw text reads bnlit's pieces,
+at the cost of the doubled output mass measured in docs/export.md "Raw text in llama.cpp".
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -50,9 +57,12 @@ from safetensors.torch import save_file
 
 from bnlit.errors import CheckpointError
 from bnlit.model import ModelConfig, Transformer
+from bnlit.raw_spellings import DEFAULT_KINDS, RAW_SPELLINGS
 from bnlit.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, normalize
 
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")  # --type of scripts/export_gguf.py
+# GGUF keys: the first raw-spelling token's id, and the piece each one spells (bnlit/raw_spellings.py)
+ALIAS_START_KEY, ALIAS_OF_KEY = "bnlit.raw_spellings.start", "bnlit.raw_spellings.alias_of"
 NORMALIZATION_NOTE = ("call bnlit.tokenizer.normalize(text) before encoding (NFC with decomposed nukta letters, "
                       "khanda-ta, joiners, invisible controls; bnlit/data/normalize.py)")
 TOKENIZER_JSON_NOTE = ("tokenizer.json's normalizer applies bnlit.tokenizer.normalize (bnlit/hf_tokenizer.py): encode raw "
@@ -230,13 +240,19 @@ def llama_cpp_rope_order(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_vocab(tokenizer: Tokenizer, vocab_size: int) -> tuple[list[bytes], list[float], list[int]]:
+def gguf_vocab(tokenizer: Tokenizer, vocab_size: int, raw_spellings: Sequence[str] = DEFAULT_KINDS,
+               ) -> tuple[list[bytes], list[float], list[int], list[int]]:
     """Pieces, scores and llama.cpp token types (``gguf.TokenType``: normal, unknown, control,
     user-defined, unused, byte), padded to the model's ``vocab_size`` with unused ``[PAD<i>]``
-    rows. SentencePiece's user-defined pieces become normal ones (module docstring)."""
+    rows, then the pieces' raw spellings of the kinds ``raw_spellings`` (:mod:`bnlit.raw_spellings`:
+    ``nukta``, precomposed nukta letters; ``vowel_signs``, ো ৌ typed in two parts) as normal tokens
+    from id ``vocab_size`` on; the fourth list gives, for
+    each of those, the id of the piece it spells. SentencePiece's user-defined pieces become
+    normal ones (module docstring)."""
     import gguf
 
     from bnlit.hf_tokenizer import check_user_defined
+    from bnlit.raw_spellings import alias_score, spelling_aliases
 
     proto = tokenizer.proto()
     check_user_defined(proto)
@@ -249,13 +265,23 @@ def gguf_vocab(tokenizer: Tokenizer, vocab_size: int) -> tuple[list[bytes], list
         tokens.append(f"[PAD{i}]".encode())
         scores.append(-1000.0)
         types.append(gguf.TokenType.UNUSED)
-    return tokens, scores, types
+    pieces = [p.piece for p in proto.pieces]
+    normal = [p.type in (p.NORMAL, p.USER_DEFINED) for p in proto.pieces]
+    top = max(p.score for p in proto.pieces) + 1.0
+    aliases = spelling_aliases(pieces, normal, raw_spellings)
+    for text, of in aliases:
+        tokens.append(text.encode("utf-8"))
+        scores.append(alias_score(pieces[of], proto.pieces[of].score, top))
+        types.append(gguf.TokenType.NORMAL)
+    return tokens, scores, types, [of for _, of in aliases]
 
 
-def gguf_tensors(model: Transformer) -> dict[str, torch.Tensor]:
+def gguf_tensors(model: Transformer, alias_of: Sequence[int] = ()) -> dict[str, torch.Tensor]:
     """The float32 weights under llama.cpp's tensor names (``token_embd.weight``,
     ``blk.0.attn_q.weight`` ...), from the Hugging Face names of :func:`hf_state_dict`; a tied
-    head is left out (llama.cpp then uses ``token_embd``)."""
+    head is left out (llama.cpp then uses ``token_embd``). ``alias_of``: the spelled piece of
+    each raw-spelling token (:func:`gguf_vocab`), whose embedding and output rows are appended as
+    copies of that piece's."""
     import gguf
 
     cfg = model.config
@@ -266,6 +292,8 @@ def gguf_tensors(model: Transformer) -> dict[str, torch.Tensor]:
             t = llama_cpp_rope_order(t, cfg.n_head)
         elif name.endswith("k_proj.weight"):
             t = llama_cpp_rope_order(t, cfg.n_kv_heads)
+        elif name in ("model.embed_tokens.weight", "lm_head.weight") and len(alias_of):
+            t = torch.cat([t, t[list(alias_of)]])
         new = names.get_name(name, try_suffixes=(".weight",))
         if new is None:
             raise KeyError(f"no GGUF name for {name!r}")
@@ -274,17 +302,20 @@ def gguf_tensors(model: Transformer) -> dict[str, torch.Tensor]:
 
 
 def export_gguf(model: Transformer, tokenizer: Tokenizer, out_path: str | os.PathLike, type: str = "f32",
-                overwrite: bool = False) -> Path:
+                overwrite: bool = False, raw_spellings: Sequence[str] = DEFAULT_KINDS) -> Path:
     """Write ``model`` and ``tokenizer`` as one GGUF file for llama.cpp's ``llama`` architecture.
 
     ``type``: ``f32``, ``f16``, ``bf16`` or ``q8_0`` for the matrices (norms stay float32; a
     matrix whose rows do not split into q8_0's 32-value blocks falls back to f16), as
-    ``convert_hf_to_gguf.py --outtype`` does. Written to a temporary sibling and renamed into place.
+    ``convert_hf_to_gguf.py --outtype`` does. ``raw_spellings``: the kinds of raw-spelling tokens
+    to add (:func:`gguf_vocab`; ``()`` for none). Written to a temporary sibling and renamed into place.
     """
     import gguf
 
     if type not in GGUF_TYPES:
         raise CheckpointError(f"--type {type!r}: use one of {', '.join(GGUF_TYPES)}")
+    if unknown := sorted(set(raw_spellings) - set(RAW_SPELLINGS)):
+        raise CheckpointError(f"--raw-spellings {','.join(unknown)}: use any of {','.join(RAW_SPELLINGS)} or none")
     out_path = Path(out_path)
     check_export(model, tokenizer, out_path, overwrite, "GGUF file")
     Q = gguf.GGMLQuantizationType
@@ -294,15 +325,17 @@ def export_gguf(model: Transformer, tokenizer: Tokenizer, out_path: str | os.Pat
     }[type]
     cfg = model.config
     spec = tokenizer.proto().normalizer_spec
-    tokens, scores, types = gguf_vocab(tokenizer, cfg.vocab_size)
+    tokens, scores, types, alias_of = gguf_vocab(tokenizer, cfg.vocab_size, raw_spellings)
 
     w = gguf.GGUFWriter(None, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA])
     w.add_name(f"bnlit {cfg.name}")
-    w.add_description("exported by bnlit (scripts/export_gguf.py); tokenize " + NORMALIZATION_NOTE.removeprefix(
-        "call ") + ", then SentencePiece's whitespace rule (bnlit.export.gguf_text)")
+    w.add_description("exported by bnlit (scripts/export_gguf.py); for bnlit's exact ids tokenize "
+                      + NORMALIZATION_NOTE.removeprefix("call ") + ", then SentencePiece's whitespace rule "
+                      "(bnlit.export.gguf_text); raw text is read through the raw-spelling tokens from id "
+                      f"{cfg.vocab_size} on (bnlit.raw_spellings.alias_of), except characters bnlit removes")
     w.add_file_type(file_type)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    w.add_vocab_size(cfg.vocab_size)
+    w.add_vocab_size(len(tokens))
     w.add_context_length(cfg.max_seq_len)
     w.add_embedding_length(cfg.dim)
     w.add_block_count(cfg.n_layer)
@@ -328,7 +361,9 @@ def export_gguf(model: Transformer, tokenizer: Tokenizer, out_path: str | os.Pat
     w.add_string("bnlit.normalization", NORMALIZATION_NOTE)
     w.add_string("bnlit.model_config", json.dumps(cfg.to_dict()))
     w.add_string("bnlit.tokenizer_sha256", tokenizer.sha256)
-    for name, t in gguf_tensors(model).items():
+    w.add_uint32(ALIAS_START_KEY, cfg.vocab_size)
+    w.add_array(ALIAS_OF_KEY, alias_of)
+    for name, t in gguf_tensors(model, alias_of).items():
         data = t.numpy()
         qtype = Q.F32 if data.ndim == 1 else matrix_type
         try:

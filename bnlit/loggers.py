@@ -34,6 +34,8 @@ from lightning.pytorch.loggers import WandbLogger as _WandbLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from omegaconf import DictConfig
 
+from bnlit import storage
+
 SECRET_KEY = re.compile(r"(api_?key|token|secret|password|passwd)$", re.IGNORECASE)
 SECRET_ENV = ("WANDB_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
 REDACTED = "<redacted>"
@@ -60,12 +62,7 @@ def run_dir(trainer: L.Trainer) -> Path:
 
 
 def write_json_atomic(path: str | os.PathLike, payload: Any) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(payload, indent=2, default=str))
-    os.replace(tmp, path)
-    return path
+    return storage.write_text(path, json.dumps(payload, indent=2, default=str))
 
 
 def log_table(trainer: L.Trainer, key: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
@@ -174,22 +171,37 @@ def read_whole_rows(path: Path) -> tuple[list[str], list[dict[str, str]]]:
 
 
 def write_rows(path: Path, header: list[str], rows: list[dict[str, str]]) -> None:
-    """Write-then-rename: a kill during the rewrite leaves the old file."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w", newline="") as f:
+    """Write-then-rename: a kill or a full disk during the rewrite leaves the old file."""
+    with storage.replacing(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=header)
         w.writeheader()
         w.writerows(rows)
-    os.replace(tmp, path)
 
 
 class ResumableExperimentWriter(ExperimentWriter):
+    """Keeps the rows of the run it resumes; a new metric's column rewrites the file
+    write-then-rename (Lightning truncates it in place, so a full disk mid-rewrite lost every row);
+    a refused append (full disk, file-size limit) names ``metrics.csv`` and leaves only a torn last
+    row, which the resumed run drops."""
+
     def _check_log_dir_exists(self) -> None:
         path = Path(self.metrics_file_path)
         if path.is_file():
             header, rows = read_whole_rows(path)
             self.metrics_keys = sorted(k for k in header if k)
             write_rows(path, self.metrics_keys, rows)
+
+    def _rewrite_with_new_header(self, fieldnames: list[str]) -> None:
+        path = Path(self.metrics_file_path)
+        write_rows(path, fieldnames, read_whole_rows(path)[1])
+
+    def save(self) -> None:
+        try:
+            super().save()
+        except OSError as e:
+            if e.filename:
+                raise
+            raise OSError(e.errno, e.strerror or str(e), self.metrics_file_path) from e
 
 
 class CSVLogger(_CSVLogger):

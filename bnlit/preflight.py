@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from bnlit.errors import BnlitError, ConfigError, DataError
 
@@ -247,6 +248,30 @@ def check_cache_dir(cfg: DictConfig) -> None:
         check_writable(Path(cache).expanduser(), "paths.cache_dir")
 
 
+def check_disk_space(cfg: DictConfig) -> None:
+    """The checkpoint directory's filesystem holds the run's first checkpoint (the step file and,
+    with ``save_last``, ``last.ckpt``; sized from the model: :func:`bnlit.storage.check_free_space`).
+    A run without a ``ModelCheckpoint`` writes none and is not checked."""
+    from bnlit.speed.flops import param_counts
+    from bnlit.storage import check_free_space
+
+    try:
+        mc = _get(cfg, "callbacks.model_checkpoint")
+        if not isinstance(mc, Mapping) or not str(mc.get("_target_", "")).endswith("ModelCheckpoint"):
+            return
+        checkpoint_dir = mc.get("dirpath") or _get(cfg, "paths.checkpoint_dir")
+    except OmegaConfBaseException:  # ${hydra:...} outside a Hydra app: no run dir to check
+        return
+    if not checkpoint_dir:
+        return
+    save_last = mc.get("save_last")
+    files = 1 + (1 if save_last and save_last != "link" else 0)
+    n_params = param_counts(instantiate_checked(cfg.model.config))["n_params"]
+    need = check_free_space(checkpoint_dir, n_params, files, _get(cfg, "trainer.precision", "32-true"),
+                            str(_get(cfg, "optimizer._target_", "AdamW")))
+    log.debug("checkpoints: the first needs at least %d bytes under %s", need, checkpoint_dir)
+
+
 # ---- data files -------------------------------------------------------------------------------
 def check_exists(path: Path, field: str) -> None:
     """The file exists, is a regular file, is readable and is not empty."""
@@ -425,3 +450,4 @@ def check_config(cfg: DictConfig) -> None:
     check_hardware(cfg)
     check_data(cfg)
     check_cache_dir(cfg)
+    check_disk_space(cfg)

@@ -19,6 +19,8 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from bnlit import storage
+
 # -- the summary and the final report -------------------------------------------------------------
 
 # plot name -> predicate on a metric key
@@ -233,11 +235,7 @@ def write_summary(run_dir: str | os.PathLike, metrics: Mapping[str, float] | Non
                   "| " + " | ".join(map(str, cols)) + " |", "|" + "---|" * len(cols)]
         lines += ["| " + " | ".join(_fmt(v, str(c)) for c, v in zip(cols, r)) + " |" for r in rows]
         lines.append("")
-    out = run_dir / "summary.md"
-    tmp = out.with_suffix(".md.tmp")
-    tmp.write_text("\n".join(lines))
-    os.replace(tmp, out)
-    return out
+    return storage.write_text(run_dir / "summary.md", "\n".join(lines))
 
 
 def print_report(cfg: DictConfig, metrics: Mapping[str, float], loggers: Sequence, timing: Mapping | None = None) -> None:

@@ -20,6 +20,7 @@ import torch
 
 from bnlit.errors import CheckpointError
 from bnlit.export import gguf_text
+from bnlit.raw_spellings import canonical_ids
 from bnlit.speed.threads import available_cpus, choose_threads, load_average
 
 GGML_TYPE_F32 = 0  # ggml_type of the KV cache
@@ -51,6 +52,20 @@ def load_gguf(path: str | os.PathLike, n_ctx: int | None = None, vocab_only: boo
     return llm
 
 
+def spelling_aliases_of(path: str | os.PathLike) -> dict[int, int]:
+    """``{raw-spelling token id: id of the piece it spells}`` of a GGUF export (``{}`` for a file
+    written before the export added them, or by another tool)."""
+    import gguf
+
+    from bnlit.export import ALIAS_OF_KEY, ALIAS_START_KEY
+
+    fields = gguf.GGUFReader(path).fields
+    if ALIAS_OF_KEY not in fields:
+        return {}
+    start = int(fields[ALIAS_START_KEY].contents())
+    return {start + i: int(of) for i, of in enumerate(fields[ALIAS_OF_KEY].contents())}
+
+
 class LlamaCppLM:
     """A GGUF file in llama.cpp with bnlit's interfaces: ``encode``/``encode_batch``/``eos_id``
     like :class:`bnlit.tokenizer.Tokenizer`, ``lm(idx)`` -> logits ``(B, T, V)`` like
@@ -65,6 +80,12 @@ class LlamaCppLM:
         self.remove_extra_whitespaces = meta.get("tokenizer.ggml.remove_extra_whitespaces", "false") == "true"
         self.n_ctx = self.llm.n_ctx()
         self.file_type = int(meta.get("general.file_type", -1))
+        self.alias_of = spelling_aliases_of(self.path)
+
+    def canonical(self, ids: Sequence[int]) -> list[int]:
+        """``ids`` with each raw-spelling token (:mod:`bnlit.raw_spellings`) replaced by the id of
+        the piece it spells, the id bnlit gives the normalised text."""
+        return canonical_ids(ids, self.alias_of)
 
     def encode(self, text: str) -> list[int]:
         """llama.cpp's ids for ``text`` after the documented pre-call (:func:`bnlit.export.gguf_text`)."""

@@ -1,4 +1,5 @@
-"""Which Lightning strategy a ``trainer.strategy`` setting builds, and whether it shards parameters."""
+"""Which Lightning strategy a ``trainer.strategy`` setting builds, and whether it shards parameters
+(``trainer=fsdp``'s own strategy: :mod:`bnlit.fsdp`)."""
 
 from __future__ import annotations
 
@@ -28,3 +29,4 @@ def sharded_strategy(strategy: Any) -> bool:
     from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
     return issubclass(strategy_class(strategy), (FSDPStrategy, ModelParallelStrategy))
+

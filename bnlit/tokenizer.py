@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from bnlit import progress
+from bnlit import storage
 from bnlit.data.normalize import HASANTA, NUKTA, ZWJ, ZWNJ, normalize_chars
 from bnlit.errors import TokenizerError
 
@@ -207,10 +208,7 @@ def train_tokenizer(
         raise TokenizerError(f"tokenizer training failed ({reason}); {fix}") from None
     finally:
         bar.close()
-    tmp = out_path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_bytes(model.getvalue())
-    os.replace(tmp, out_path)
-    return out_path
+    return storage.write_bytes(out_path, model.getvalue())  # never a half-written model at out_path
 
 
 class Tokenizer:
@@ -262,9 +260,4 @@ class Tokenizer:
         return self.sp.is_byte(token_id)
 
     def save(self, path: str | os.PathLike) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_bytes(self.model_bytes)
-        os.replace(tmp, path)
-        return path
+        return storage.write_bytes(path, self.model_bytes)

@@ -4,7 +4,6 @@ a thin Hydra wrapper that turns :class:`~bnlit.errors.BnlitError` into one line 
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import sys
@@ -22,8 +21,8 @@ from omegaconf import DictConfig, OmegaConf
 
 import bnlit.resolvers  # noqa: F401  (registers ${bnlit.*} resolvers)
 from bnlit import CONF_DIR
-from bnlit import quiet, run_dir
-from bnlit.checkpointing import prepare_resume, remove_partial_writes
+from bnlit import lost_rank, quiet, run_dir
+from bnlit.checkpointing import newest_checkpoint, prepare_resume, remove_partial_writes
 from bnlit.command_line import check_command_line
 from bnlit.errors import BnlitError, ConfigError
 from bnlit.interrupt import Interrupted
@@ -32,6 +31,7 @@ from bnlit.preflight import check_config, instantiate_checked
 from bnlit.run_report import print_report, write_summary
 from bnlit.speed.host_malloc import KEEP_BYTES, keep_freed_memory
 from bnlit.speed.threads import load_average, set_threads
+from bnlit.storage import is_storage_error, storage_message
 
 log = logging.getLogger("bnlit")
 
@@ -86,7 +86,7 @@ def fit(cfg: DictConfig) -> dict[str, float]:
     module = instantiate(cfg.module)(model=model, optimizer=instantiate(cfg.optimizer), scheduler=scheduler)
     loggers = instantiate_group(cfg.get("logger"), {"tags": run_tags(cfg), **sweep_job()})
     trainer: L.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False,
-                                     plugins=[ckpt_io])
+                                     plugins=[ckpt_io], **val_check_in_batches(cfg.trainer))
     for lg in loggers:
         lg.log_hyperparams(redact(OmegaConf.to_container(cfg, resolve=True)))
 
@@ -99,7 +99,7 @@ def fit(cfg: DictConfig) -> dict[str, float]:
         metrics.update(scalar_metrics(trainer))
     compiled = None
     if module.compile_watch is not None:  # every compile of the run, the final validation's included
-        module.warn_recompiles()
+        module.log_compiles()
         compiled = module.compile_watch.summary()
         log.info("%s", compiled)
     if trainer.is_global_zero:
@@ -120,6 +120,17 @@ def scalar_metrics(trainer: L.Trainer) -> dict[str, float]:
     return {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1 and k != "step"}
 
 
+def val_check_in_batches(trainer_cfg) -> dict[str, int]:
+    """``trainer.val_check_interval`` counts optimizer steps (conf/trainer/default.yaml, the
+    preflight rule); Lightning counts training batches, i.e. micro-batches: under accumulation the
+    Trainer gets ``steps x accumulate_grad_batches`` (``trainer=h100``'s 250 steps would otherwise
+    validate every 250 micro-batches, every ~16 steps). A fraction of an epoch is left alone."""
+    interval, accumulate = trainer_cfg.get("val_check_interval"), trainer_cfg.get("accumulate_grad_batches") or 1
+    if isinstance(interval, int) and not isinstance(interval, bool) and accumulate > 1:
+        return {"val_check_interval": interval * accumulate}
+    return {}
+
+
 def needs_final_validation(trainer: L.Trainer) -> bool:
     """True when the fit ended on a step that was not validated (``max_steps`` is not a multiple
     of ``val_check_interval``, or below it) and no validation was switched off."""
@@ -128,7 +139,8 @@ def needs_final_validation(trainer: L.Trainer) -> bool:
         return False
     if not isinstance(interval, int):  # a fraction of an epoch: Lightning validated at the epoch end
         return False
-    return trainer.global_step > 0 and trainer.global_step % interval != 0
+    steps = max(1, interval // max(1, trainer.accumulate_grad_batches))  # val_check_in_batches
+    return trainer.global_step > 0 and trainer.global_step % steps != 0
 
 
 def main() -> None:
@@ -153,16 +165,35 @@ def run(cfg: DictConfig) -> float | None:
             e.then()  # requeue a SLURM job
         sys.exit(e.exit_code)
     except BnlitError as e:
+        stop_if_a_rank_is_lost(e, cfg)  # a checkpoint save that failed because a peer died
         refuse(e, cfg)
     except InstantiationException as e:  # a constructor's BnlitError, wrapped by hydra.utils.instantiate
         if not isinstance(e.__cause__, BnlitError):
             raise
         refuse(e.__cause__, cfg)
     except OSError as e:
-        if e.errno not in STORAGE_ERRORS:
+        if not is_storage_error(e):
+            stop_if_a_rank_is_lost(e, cfg)
             raise
-        print(f"error: {disk_full_message(e, cfg)}", file=sys.stderr, flush=True)
+        print(f"error: {storage_message(e, cfg.paths.cache_dir, cfg.paths.output_dir)}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except Exception as e:
+        stop_if_a_rank_is_lost(e, cfg)
+        raise
+
+
+def stop_if_a_rank_is_lost(e: BaseException, cfg: DictConfig) -> None:
+    """A collective that failed because a peer rank is gone (bnlit/lost_rank.py): one line naming
+    the lost rank and the checkpoint to resume from, then exit at once (``os._exit``: no thread or
+    process-group teardown that could wait on the dead rank)."""
+    if not lost_rank.is_lost_peer_error(e):
+        return
+    newest = newest_checkpoint(Path(cfg.paths.checkpoint_dir))
+    message = lost_rank.lost_rank_message(lost_rank.my_rank(), Path(cfg.paths.output_dir), newest)
+    log.error("%s", message)
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    logging.shutdown()
+    os._exit(lost_rank.EXIT_CODE)
 
 
 def refuse(e: BnlitError, cfg: DictConfig) -> None:
@@ -177,22 +208,6 @@ def optimized(metrics: dict[str, float], name: str | None) -> float | None:
     if name and name not in metrics and HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
         raise ConfigError(f"optimized_metric={name} was not logged by this run; logged: {sorted(metrics)}")
     return metrics.get(name) if name else None
-
-
-# the write errors that mean the storage, not bnlit, refused: what it is, and what frees it
-STORAGE_ERRORS = {
-    errno.ENOSPC: ("no space left on device", "free space under"),
-    errno.EDQUOT: ("disk quota exceeded", "free space in your quota under"),
-    errno.EFBIG: ("file too large for this process's file-size limit (ulimit -f)", "raise the limit or move"),
-}
-
-
-def disk_full_message(e: OSError, cfg: DictConfig) -> str:
-    what, fix = STORAGE_ERRORS.get(e.errno, STORAGE_ERRORS[errno.ENOSPC])
-    where = f" writing {e.filename}" if e.filename else ""
-    return (f"{what}{where}; {fix} paths.cache_dir={cfg.paths.cache_dir} or "
-            f"paths.output_dir={cfg.paths.output_dir} and rerun (shards and checkpoints are written to a "
-            "temporary name and renamed, so earlier ones are intact)")
 
 
 if __name__ == "__main__":

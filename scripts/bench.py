@@ -77,6 +77,12 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--memory-batch-size", type=int, default=8, help="CPU memory check: micro-batch size (default 8)")
     ap.add_argument("--memory-reps", type=int, default=2, help="repetitions of plain/chunked/fused, rotated")
     ap.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--checkpoints", default=None, metavar="MODELS",
+                    help="CPU, trainer=fsdp's checkpoints instead of throughput: for each preset (comma-separated, "
+                         "e.g. 25m,125m) 2 gloo ranks save sharded sync, sharded async and full-file, alternated "
+                         "over --reps; prints the step loop's blocked time (async vs sync) and rank 0's peak "
+                         "host memory during a save (full vs sharded)")
+    ap.add_argument("--checkpoint-child", default=None, help=argparse.SUPPRESS)
     return ap
 
 
@@ -482,6 +488,132 @@ def loss_memory(args) -> dict:
     return {**out, "runs": runs}
 
 
+CHECKPOINT_MODES = ("sync", "async", "full")
+
+
+def checkpoint_child(mode: str, model: str, out_dir: Path) -> dict | None:
+    """One rank of a 2-rank gloo group (``torch.distributed.run``): ``model`` sharded with FSDP2 as
+    ``trainer=fsdp`` shards it, one AdamW step (so the optimizer has its states), then one save:
+    ``sync``/``async`` through :class:`bnlit.checkpointing.ShardedWriter` (what ``FSDP2Strategy``
+    saves), ``full`` as Lightning's ``ModelParallelStrategy(save_distributed_checkpoint=False)``
+    does (full state dicts gathered to rank 0, written by rank 0). Rank 0 returns the seconds the
+    caller was blocked, the seconds until the checkpoint was complete, and its peak RSS growth
+    during the save (``VmHWM`` reset just before it)."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from bnlit.checkpointing import AtomicCheckpointIO, ShardedWriter, tmp_name
+    from bnlit.module import shard
+    from bnlit.speed.tree_memory import reset_peak
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    cfg = make_cfg([f"model={model}"], Path(tempfile.gettempdir()))
+    net = instantiate(cfg.model)
+    shard(net, init_device_mesh("cpu", (dist.get_world_size(),)))
+    opt = torch.optim.AdamW(param_groups(net, 0.1), lr=1e-4)
+    x = torch.randint(0, net.config.vocab_size, (1, 33))
+    net(x[:, :-1], x[:, 1:]).backward()
+    opt.step()
+    writer = ShardedWriter(async_save=mode == "async")
+    writer.setup()
+    path = out_dir / f"{mode}.ckpt"
+    dist.barrier()
+    base = _rss_mib("VmRSS")
+    reset_peak()
+    start = time.perf_counter()
+    if mode == "full":
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        ckpt = {"state_dict": get_model_state_dict(net, options=options),
+                "optimizer_states": [get_optimizer_state_dict(net, opt, options=options)]}
+        if rank == 0:
+            AtomicCheckpointIO().save_checkpoint(ckpt, path)
+        del ckpt
+        dist.barrier()  # Lightning's save_checkpoint: the other ranks wait for rank 0's write
+        blocked = time.perf_counter() - start
+    else:
+        state = {"state_dict": get_model_state_dict(net), "optimizer_0": get_optimizer_state_dict(net, opt)}
+        writer.save(state, {"global_step": 1}, path, tmp_name(path), rank)
+        blocked = time.perf_counter() - start
+        del state
+        writer.wait()
+    complete = time.perf_counter() - start
+    peak = _rss_mib("VmHWM") - base
+    size = sum(f.stat().st_size for f in (path.rglob("*") if path.is_dir() else [path])) if rank == 0 else 0
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank != 0:
+        return None
+    return {"mode": mode, "model": model, "blocked_s": blocked, "complete_s": complete, "rank0_peak_growth_mib": peak,
+            "bytes": size, "params": sum(p.numel() for p in net.parameters())}
+
+
+def checkpoint_bench(models: list[str], reps: int) -> dict:
+    """``--checkpoints``: for each preset, ``reps`` rounds of the three saves (:func:`checkpoint_child`),
+    each in a fresh 2-rank ``torch.distributed.run`` launch, in a rotating order; ratios are medians
+    of ratios paired within a round."""
+    import socket
+    import subprocess
+
+    out: dict = {"what": "2 gloo ranks on this CPU, FSDP2-sharded model + AdamW states; one save each",
+                 "load_average_start": os.getloadavg()[0]}
+    for model in models:
+        runs: dict[str, list[dict]] = {m: [] for m in CHECKPOINT_MODES}
+        for rep in range(reps):
+            k = rep % len(CHECKPOINT_MODES)
+            for mode in CHECKPOINT_MODES[k:] + CHECKPOINT_MODES[:k]:
+                for attempt in (1, 2):  # a shared machine: another process may take the free port first
+                    with tempfile.TemporaryDirectory(prefix="bnlit_ckpt_bench_") as tmp, socket.socket() as sock:
+                        sock.bind(("127.0.0.1", 0))
+                        port = sock.getsockname()[1]
+                        sock.close()
+                        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                               f"--master-port={port}", __file__, "--checkpoint-child", mode, "--model", model,
+                               "--override", tmp]
+                        done = subprocess.run(cmd, capture_output=True, text=True,
+                                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+                    if done.returncode == 0:
+                        break
+                    errors = [l for l in done.stderr.splitlines() if "Error" in l][:3]
+                    print(f"checkpoints {model} {mode} attempt {attempt} failed: {errors}", file=sys.stderr, flush=True)
+                else:
+                    raise RuntimeError(f"checkpoint bench {mode} {model} failed twice: {done.stderr[-2000:]}")
+                r = json.loads(done.stdout.strip().splitlines()[-1])
+                runs[mode].append(r)
+                print(f"checkpoints {model} rep {rep + 1}/{reps} {mode:5s}: blocked {r['blocked_s']:.2f} s, complete "
+                      f"{r['complete_s']:.2f} s, rank 0 peak +{r['rank0_peak_growth_mib']:.0f} MiB",
+                      file=sys.stderr, flush=True)
+        med = lambda key, m: statistics.median(r[key] for r in runs[m])  # noqa: E731
+        pair = lambda key, a, b: statistics.median(x[key] / y[key] for x, y in zip(runs[a], runs[b]))  # noqa: E731
+        out[model] = {
+            "params": runs["sync"][0]["params"], "sharded_bytes": runs["sync"][0]["bytes"],
+            **{f"{m}_blocked_s": med("blocked_s", m) for m in CHECKPOINT_MODES},
+            **{f"{m}_complete_s": med("complete_s", m) for m in CHECKPOINT_MODES},
+            **{f"{m}_rank0_peak_growth_mib": med("rank0_peak_growth_mib", m) for m in CHECKPOINT_MODES},
+            "async_vs_sync_blocked": pair("blocked_s", "async", "sync"),
+            "full_vs_sharded_rank0_peak": pair("rank0_peak_growth_mib", "full", "sync"),
+            "full_vs_async_rank0_peak": pair("rank0_peak_growth_mib", "full", "async"),
+            "runs": runs,
+        }
+    out["load_average_end"] = os.getloadavg()[0]
+    return out
+
+
+def print_checkpoints(result: dict) -> None:
+    for model, r in result.items():
+        if not isinstance(r, dict):
+            continue
+        print(f"{model}: {r['params'] / 1e6:.1f}M parameters, sharded checkpoint {r['sharded_bytes'] / 2**20:.0f} MiB; "
+              f"step loop blocked: sync {r['sync_blocked_s']:.2f} s, async {r['async_blocked_s']:.2f} s "
+              f"(async/sync {r['async_vs_sync_blocked']:.3f}; async complete after {r['async_complete_s']:.2f} s); "
+              f"rank 0 peak host memory growth during a save: full file +{r['full_rank0_peak_growth_mib']:.0f} MiB, sharded "
+              f"sync +{r['sync_rank0_peak_growth_mib']:.0f} MiB, sharded async +{r['async_rank0_peak_growth_mib']:.0f} MiB "
+              f"(its staging copy; full/async {r['full_vs_async_rank0_peak']:.2f})")
+    print(f"load average {result['load_average_start']:.1f} -> {result['load_average_end']:.1f}")
+
+
 def cuda_bench(args, run_root: Path) -> dict:
     """``trainer=h100`` as configured (400m at seq 2048, its micro-batch and accumulation, compiled,
     the parity probe at step 1) on the run's own data module, prepared on the CPU before the
@@ -610,6 +742,18 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads or 1)
         result = memory_child(args.memory_child, args.model, args.seq_len, args.batch_size)
         print(json.dumps(result))
+        return result
+    if args.checkpoint_child:
+        torch.set_num_threads(1)
+        result = checkpoint_child(args.checkpoint_child, args.model, Path(args.override[0]))
+        if result is not None:
+            print(json.dumps(result))
+        return result or {}
+    if args.checkpoints:
+        for name in ("lightning.pytorch", "lightning.fabric", "bnlit"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+        result = checkpoint_bench(args.checkpoints.split(","), args.reps)
+        print(json.dumps(result, indent=2, default=str)) if args.json else print_checkpoints(result)
         return result
     cuda = torch.cuda.is_available() and not args.cpu
     args.model = args.model or ("400m" if cuda else "tiny")

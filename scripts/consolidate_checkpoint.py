@@ -1,5 +1,5 @@
-"""Turn a sharded (torch DCP) checkpoint directory, as ``trainer=fsdp`` with
-``trainer.strategy.save_distributed_checkpoint=true`` writes it, into one full ``.ckpt`` file.
+"""Turn a sharded (torch DCP) checkpoint directory, as ``trainer=fsdp`` writes it, into one full
+``.ckpt`` file.
 
     python scripts/consolidate_checkpoint.py runs/x/checkpoints/last.ckpt full.ckpt
 

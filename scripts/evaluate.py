@@ -24,7 +24,9 @@ language, with top-level ``vocab_size`` (and ``multiple_choice`` when asked).
 through llama.cpp: llama.cpp tokenizes the text (after ``bnlit.export.gguf_text``; with
 ``--gguf-raw`` the raw text, as llama.cpp's CLI, server and ollama get it) and computes the
 logits, in the same windows; each language's row gains ``gguf`` with, per file, the same
-fields, ``same_tokens`` (llama.cpp's token stream equals bnlit's) and ``bits_per_char_vs_trained``.
+fields, ``same_tokens`` (llama.cpp's token stream equals bnlit's), ``same_pieces`` (it does once
+each raw-spelling token is mapped to the piece it spells, ``bnlit/raw_spellings.py``) and
+``bits_per_char_vs_trained``.
 """
 
 from __future__ import annotations
@@ -137,6 +139,7 @@ def score_gguf(lm, docs: list[str], seq_len: int, batch_size: int, bnlit_stream,
             "text": "raw" if raw else "gguf_text",
             **{k: getattr(r, k) for k in FIELDS}, "tokens": r.tokens,
             "same_tokens": len(stream) == len(bnlit_stream) and bool((stream == bnlit_stream).all()),
+            "same_pieces": lm.canonical(stream.tolist()) == bnlit_stream.tolist(),
             "bits_per_char_vs_trained": r.bits_per_char / trained.bits_per_char - 1}
 
 
@@ -232,6 +235,14 @@ def evaluate(args: argparse.Namespace) -> dict:
     return out
 
 
+def same_tokens_note(g: dict) -> str:
+    if g["same_tokens"]:
+        return "the same tokens as bnlit"
+    if g.get("same_pieces"):
+        return "bnlit's pieces (raw spellings read through their alias tokens)"
+    return "OTHER TOKENS than bnlit"
+
+
 def contamination_note(c: dict | None) -> str:
     if c is None:
         return ""
@@ -264,7 +275,7 @@ def format_report(res: dict) -> str:
                              f"nll/tok {g['nll_per_token']:.4f}, "
                              f"bits/char {g['bits_per_char']:.4f} ({100 * g['bits_per_char_vs_trained']:+.3f}% vs "
                              f"trained), bits/byte {g['bits_per_byte']:.4f}, "
-                             f"{'the same tokens as bnlit' if g['same_tokens'] else 'OTHER TOKENS than bnlit'}")
+                             f"{same_tokens_note(g)}")
             if "learned_context" in r:
                 lines.append(f"{lang:<6}learned context (bigram - trained bits/char): {r['learned_context']:+.4f}")
         if res["baselines"]:

@@ -2,6 +2,7 @@
 SentencePiece vocabulary with scores and token types, BOS/EOS ids, normalisation notes).
 
     python scripts/export_gguf.py --checkpoint CKPT --out model.gguf [--type f32|f16|bf16|q8_0] [--overwrite]
+                                  [--raw-spellings nukta|nukta,vowel_signs|none]
 
 Norms stay float32 in every type. Tokenize for it as bnlit does: ``bnlit.export.gguf_text(text)``
 (``bnlit.tokenizer.normalize`` and SentencePiece's whitespace rule) before llama.cpp's tokenizer;
@@ -17,6 +18,8 @@ from pathlib import Path
 from bnlit.errors import BnlitError
 
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")  # bnlit.export.GGUF_TYPES (tests/test_scripts_help.py checks they agree)
+RAW_SPELLING_KINDS = ("nukta", "vowel_signs")  # bnlit.raw_spellings.RAW_SPELLINGS (tests/test_scripts_help.py)
+DEFAULT_RAW_SPELLINGS = ("nukta",)  # bnlit.raw_spellings.DEFAULT_KINDS
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,13 +28,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, type=Path, help="the .gguf file to write")
     p.add_argument("--type", choices=GGUF_TYPES, default="f32", help="type of the weight matrices")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
+    p.add_argument("--raw-spellings", default=",".join(DEFAULT_RAW_SPELLINGS),
+                   help="tokens for the other spellings of pieces (bnlit/raw_spellings.py), so that llama.cpp "
+                        "reads raw text: comma-separated kinds of " + ",".join(RAW_SPELLING_KINDS) + ", or none")
     args = p.parse_args(argv)
+    kinds = () if args.raw_spellings == "none" else tuple(k for k in args.raw_spellings.split(",") if k)
+    if unknown := sorted(set(kinds) - set(RAW_SPELLING_KINDS)):
+        print(f"error: --raw-spellings {args.raw_spellings}: {','.join(unknown)} is not a kind; use any of "
+              f"{','.join(RAW_SPELLING_KINDS)} (comma-separated) or none", file=sys.stderr)
+        return 2
     from bnlit.checkpointing import load_model  # after the arguments: --help answers without torch
     from bnlit.export import export_gguf
 
     try:
         model, tok, ckpt = load_model(args.checkpoint)
-        out = export_gguf(model, tok, args.out, type=args.type, overwrite=args.overwrite)
+        out = export_gguf(model, tok, args.out, type=args.type, overwrite=args.overwrite, raw_spellings=kinds)
     except BnlitError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code

@@ -60,7 +60,7 @@ def test_gpu_trainer_profiles_default_to_h100_and_the_command_line_wins(make_cfg
 
 def test_fsdp_on_a100_composes_the_documented_command(make_cfg):
     cfg = make_cfg("model=1b", "trainer=fsdp", "hardware=a100", tiny=False)
-    assert cfg.trainer.strategy._target_.endswith("ModelParallelStrategy")
+    assert cfg.trainer.strategy._target_ == "bnlit.fsdp.FSDP2Strategy"
     assert cfg.callbacks.throughput.hardware.peak_tflops.bf16 == 312
     assert cfg.module.compile is True and cfg.optimizer.fused is True and cfg.data.batch_size == 16
 

@@ -1,14 +1,15 @@
 """The production path, executed on CPU (``debug=rehearsal``): ``trainer=h100``, ``trainer=fsdp``
 (2 processes, FSDP2 over gloo) and ``trainer=multinode`` (2 processes on one node) each train
 with every switch of their profile on, validate, checkpoint, state their fast path in one line and
-pass the gradient-flow arbiter. FSDP2 matches 1 process with the same global batch, resumes from
-its own checkpoint with ``ckpt_path=last``, and a planted zero-gradient parameter is caught by name
+pass the gradient-flow arbiter. FSDP2 matches 1 process with the same global batch, writes sharded
+checkpoints that resume with ``ckpt_path=last`` on 1 and on 4 processes, and a planted zero-gradient parameter is caught by name
 on sharded parameters."""
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -20,6 +21,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from bnlit import CONF_DIR
+from bnlit.checkpointing import checkpoint_step
 from bnlit.run_report import read_metrics
 from conftest import TINY
 from helpers_dist import run_two_ranks, same_error_on_both_ranks
@@ -61,12 +63,13 @@ def test_rehearsal_keeps_every_switch_of_the_profile_and_changes_only_what_cpu_n
 
 
 def test_fsdp_profile_builds_the_strategy_the_rehearsal_runs():
-    from lightning.pytorch.strategies import ModelParallelStrategy
+    from bnlit.fsdp import FSDP2Strategy
 
     for overrides in (("model=1b", "trainer=fsdp"), ("model=tiny", "trainer=fsdp", "debug=rehearsal")):
         strategy = instantiate(compose_cfg(*overrides).trainer.strategy)
-        assert isinstance(strategy, ModelParallelStrategy)
-        assert strategy._save_distributed_checkpoint is False  # one full file: atomic IO, any world size
+        assert isinstance(strategy, FSDP2Strategy)
+        # sharded (torch DCP) checkpoints, written asynchronously: nothing gathered on rank 0
+        assert strategy._save_distributed_checkpoint is True and strategy.sharded_writer.async_save is True
 
 
 # what every GPU profile's fast path turns on, as the module's log line names it under debug=rehearsal
@@ -79,7 +82,7 @@ def assert_rehearsal(out: subprocess.CompletedProcess, run_dir: Path, fast_path:
     log = (run_dir / "train.log").read_text()
     assert fast_path in log, [l for l in log.splitlines() if "fast path" in l]
     assert "gradient flow: " in log and "parameters ok at step 1" in log
-    assert (run_dir / "checkpoints" / "last.ckpt").is_file()
+    assert checkpoint_step(run_dir / "checkpoints" / "last.ckpt") is not None  # a file, or trainer=fsdp's directory
     assert metric(run_dir, "val/loss")  # validated inside the run
     summary = (run_dir / "summary.md").read_text()
     assert fast_path in summary
@@ -99,7 +102,8 @@ def test_h100_rehearsal(tmp_path, cache_dir):
     from gpu_check import read_run
 
     r = read_run(run)
-    assert r["tokens_per_s"] > 0 and r["mfu_pct"] > 0 and r["peak_memory_gib"] > 0 and r["checkpoint"]
+    assert r["tokens_per_s"] > 0 and r["mfu_pct"] > 0 and r["hfu_pct"] > 0 and r["peak_memory_gib"] > 0
+    assert {s["file"] for s in r["checkpoint_saves"]} >= {"step0000004.ckpt", "last.ckpt"}
     assert r["parity"].startswith("fast-path parity (bf16-mixed, compiled): 20/20 parameters within tolerance")
     assert r["fast_path"].startswith("fast path: bf16-mixed autocast")
 
@@ -118,8 +122,8 @@ def test_multinode_rehearsal(tmp_path, cache_dir):
 def test_fsdp_rehearsal_parity_and_resume(tmp_path, cache_dir):
     """The full FSDP2 rehearsal (bf16, per-block compile, fused AdamW), then in fp32 eager for exact
     comparisons: 2 sharded processes match 1 unsharded process with the same global batch, and the
-    sharded run's step-2 checkpoint resumes with ``ckpt_path=last`` onto the same curve, on 2
-    processes and on 1."""
+    sharded run's step-2 checkpoint (a DCP directory written asynchronously) resumes with
+    ``ckpt_path=last`` onto the same curve on 1 process and on 4."""
     run = tmp_path / "fsdp" / "run"
     out = run_cli(run, "model=tiny", "trainer=fsdp", "hardware=a100", "debug=rehearsal")
     log = assert_rehearsal(out, run, "fast path: bf16-mixed autocast, torch.compile(fullgraph) x2 blocks + loss, fused AdamW, "
@@ -142,26 +146,23 @@ def test_fsdp_rehearsal_parity_and_resume(tmp_path, cache_dir):
     assert sorted(got) == sorted(ref) == [0, 1, 2, 3]
     assert max(abs(got[s] - ref[s]) for s in ref) < 1e-5, (ref, got)
 
-    resumed = tmp_path / "resumed" / "run"
-    (resumed / "checkpoints").mkdir(parents=True)
-    (resumed / "checkpoints" / "last.ckpt").write_bytes((two / "checkpoints" / "step0000002.ckpt").read_bytes())
-    out = run_cli(resumed, "model=tiny", "trainer=fsdp", "debug=rehearsal", *exact, "ckpt_path=last")
-    assert out.returncode == 0, out.stderr[-4000:]
-    after = metric(resumed, "train/loss")
-    assert sorted(after) == [2, 3]
-    assert max(abs(after[s] - got[s]) for s in after) < 1e-5, (got, after)
+    step2 = two / "checkpoints" / "step0000002.ckpt"
+    assert (step2 / ".metadata").is_file() and (step2 / "__1_0.distcp").is_file()  # sharded: one file per rank
+    assert os.readlink(two / "checkpoints" / "last.ckpt") == "step0000004.ckpt"  # the same step is not written twice
 
-    # the full-state file resumes on another world size: FSDP2 on 1 process, the same global batch
-    single = tmp_path / "single" / "run"
-    (single / "checkpoints").mkdir(parents=True)
-    (single / "checkpoints" / "last.ckpt").write_bytes((two / "checkpoints" / "step0000002.ckpt").read_bytes())
-    out = run_cli(single, "model=tiny", "trainer=fsdp", "debug=rehearsal", *exact, "ckpt_path=last",
-                  "trainer.devices=1", "data.batch_size=4")
-    assert out.returncode == 0, out.stderr[-4000:]
-    assert "strategy=fsdp2(1, gloo)" in (single / "train.log").read_text()
-    after = metric(single, "train/loss")
-    assert sorted(after) == [2, 3]
-    assert max(abs(after[s] - got[s]) for s in after) < 1e-5, (got, after)
+    # the sharded checkpoint resumes on another world size (DCP reshards on load), the same global
+    # batch: FSDP2 on 1 process and on 4
+    for devices, batch in ((1, 4), (4, 1)):
+        resumed = tmp_path / f"resumed{devices}" / "run"
+        (resumed / "checkpoints").mkdir(parents=True)
+        shutil.copytree(step2, resumed / "checkpoints" / step2.name)
+        out = run_cli(resumed, "model=tiny", "trainer=fsdp", "debug=rehearsal", *exact, "ckpt_path=last",
+                      f"trainer.devices={devices}", f"data.batch_size={batch}")
+        assert out.returncode == 0, out.stderr[-4000:]
+        assert f"strategy=fsdp2({devices}, gloo)" in (resumed / "train.log").read_text()
+        after = metric(resumed, "train/loss")
+        assert sorted(after) == [2, 3]
+        assert max(abs(after[s] - got[s]) for s in after) < 1e-5, (devices, got, after)
 
 
 WORKER = textwrap.dedent('''

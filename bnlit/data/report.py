@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from bnlit import storage
 from bnlit.checks.fertility import chars_per_token
 from bnlit.loggers import write_json_atomic
 
@@ -153,7 +154,7 @@ def to_markdown(report: dict) -> str:
 def write_report(run_dir: str | os.PathLike, report: dict) -> Path:
     run_dir = Path(run_dir)
     path = write_json_atomic(run_dir / REPORT_JSON, report)
-    (run_dir / REPORT_MD).write_text(to_markdown(report))
+    storage.write_text(run_dir / REPORT_MD, to_markdown(report))
     return path
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from bnlit.errors import DataError
 from bnlit.preflight import check_exists, check_jsonl_file, check_text_file  # noqa: F401 (re-exported)
+from bnlit.storage import storage_cause
 
 _BUILDERS = {".txt": "text", ".text": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 HUB_HOST = "huggingface.co"
@@ -187,6 +188,9 @@ def open_dataset(source: Source, resolved_path: Path | None, cache_dir: str | No
     except DataError:
         raise
     except Exception as e:  # datasets raises many types; name the source and keep one line
+        refused = storage_cause(e)
+        if refused is not None:  # the storage, not the source: bnlit.train's one line names where
+            raise OSError(refused.errno, refused.strerror, refused.filename or cache_dir) from e
         raise DataError(f"{source.field}: cannot read {source.path or source.hub_id}: "
                         f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
     return ds

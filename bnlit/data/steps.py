@@ -39,6 +39,7 @@ from datatrove.utils.hashing import HashConfig
 from datatrove.utils.typeshelper import ExtensionHelperSD, StatHints
 from datatrove.utils.word_tokenizers import WordTokenizer
 
+from bnlit import storage
 from bnlit.data import filters as F
 from bnlit.data.dedup import DedupConfig, canonical_words, lsh_bands, minhash_values, shingles
 from bnlit.data.normalize import normalize_text
@@ -540,9 +541,7 @@ class CleanStats(PipelineStep):
         with self.track_time():
             stats = self.summary()
             remove_intermediates(self.plan.clean_dir)
-            tmp = self.plan.clean_dir / f"{STATS_FILE}.tmp"
-            tmp.write_text(json.dumps(stats, indent=2, ensure_ascii=False))
-            os.replace(tmp, self.plan.clean_dir / STATS_FILE)
+            storage.write_text(self.plan.clean_dir / STATS_FILE, json.dumps(stats, indent=2, ensure_ascii=False))
 
     def summary(self) -> dict:
         plan, cfg = self.plan, self.plan.clean
@@ -715,10 +714,12 @@ def train_plan_tokenizer(plan: Plan) -> Path:
                          sorted(set(lang_weights) - set(by_lang)), sorted(set(lang_weights) & set(by_lang)))
                 lang_weights = {k: v for k, v in lang_weights.items() if k in by_lang}
             docs = sample_by_language(by_lang, lang_weights if len(lang_weights or ()) > 1 else None, seed=plan.seed)
+        # sources.json first: the model's presence is what marks this tokenizer finished
+        storage.write_text(plan.tokenizer_path.parent / "sources.json",
+                           json.dumps([s.to_dict() for s in plan.sources], indent=2))
         train_tokenizer(docs, plan.tokenizer_path, vocab_size=cfg["vocab_size"], model_type=cfg.get("model_type", "bpe"),
                         character_coverage=cfg.get("character_coverage", 0.9999),
                         normalization=cfg.get("normalization") or "nfc", split_digits=bool(cfg.get("split_digits", True)))
-        (plan.tokenizer_path.parent / "sources.json").write_text(json.dumps([s.to_dict() for s in plan.sources], indent=2))
     progress.stage_summary("tokenizer", f"trained: {cfg['vocab_size']} {cfg.get('model_type', 'bpe')} pieces", timer.seconds)
     return plan.tokenizer_path
 

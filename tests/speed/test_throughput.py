@@ -303,20 +303,22 @@ def test_low_mfu_takes_one_trace_and_says_where_the_time_went(tmp_path):
     assert line.startswith("where the time went (2 steps, ") and "cpu ops" in line, line
     for word in ("matmul", "attention", "elementwise", "optimizer", "data wait", "host gaps"):
         assert word in line, (word, line)
-    assert [p.name for p in tmp_path.iterdir()] == ["profile_step4.json"] == [p.name for p in monitor.profile_files]
+    assert [p.name for p in tmp_path.iterdir()] == ["profile_step4.json"]
+    assert monitor.profile["files"] == [str(tmp_path / "profile_step4.json")]
     events = json.loads((tmp_path / "profile_step4.json").read_text())["traceEvents"]
     names = {e.get("name") for e in events}
     assert "Optimizer.step#AdamW.step" in names and any(n and n.startswith("aten::") for n in names)
     assert [s for s, _ in monitor.reports] == [2, 3, 4, 6, 7, 8, 9]
 
 
-def test_low_mfu_raise_stops_after_the_trace_with_its_line():
+def test_low_mfu_raise_stops_after_the_trace_with_its_line(tmp_path):
     clock = FakeClock()
     monitor = ThroughputMonitor(window_steps=1, log_every_n_steps=1, cpu_min_mfu_pct=20.0, warmup_steps=3,
-                                on_low_mfu="raise", peak_tflops=_peak_for(10.0), profile_steps=2, clock=clock)
+                                on_low_mfu="raise", peak_tflops=_peak_for(10.0), profile_steps=2,
+                                profile_dir=str(tmp_path), clock=clock)
     with pytest.raises(LowMFUError, match=r"(?s)below the floor of 20% at step [34] .*where the time went \(2 steps, "):
         fit(monitor, clock, steps=9)
-    assert monitor.profiler.taken and monitor.profile_files == []  # no profile_dir: the line alone
+    assert monitor.profiler.taken and monitor.profile["files"] == [str(tmp_path / "profile_step4.json")]
     clock = FakeClock()
     off = ThroughputMonitor(window_steps=1, log_every_n_steps=1, cpu_min_mfu_pct=20.0, warmup_steps=3,
                             on_low_mfu="raise", peak_tflops=_peak_for(10.0), profile_on_low_mfu=False, clock=clock)

@@ -1,0 +1,48 @@
+"""A rank SIGKILLed in the middle of a training step, or in the middle of an asynchronous sharded
+checkpoint save, ends a ``trainer=fsdp`` job in bounded time: every surviving rank exits with
+code 3 and one line naming the lost rank and the newest complete checkpoint, and ``ckpt_path=last``
+picks the last complete checkpoint, never the interrupted save (bnlit/lost_rank.py)."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+from bnlit.checkpointing import newest_checkpoint, resolve_ckpt_path
+from bnlit.lost_rank import EXIT_CODE
+from helpers_dist import run_train_cli
+from test_rehearsal import DATA
+
+EXACT = ["model=tiny", "trainer=fsdp", "debug=rehearsal", "trainer.precision=32-true", "module.compile=false",
+         "data.num_workers=0", "validate_at_start=false", "trainer.max_steps=6", "logger=csv"]
+BOUND_S = 60  # from the kill to the last survivor's exit; gloo fails the pending collective at once
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("devices,where,step", [(2, "step", 3), (2, "save", 4), (4, "step", 3)])
+def test_a_killed_rank_ends_the_job_naming_it(tmp_path, cache_dir, devices, where, step):
+    run = tmp_path / "run"
+    lost = devices - 1
+    stamp = tmp_path / "killed_at"
+    out = run_train_cli(run, *DATA, *EXACT, f"trainer.devices={devices}", f"data.batch_size={4 // devices}",
+                        "+callbacks.kill._target_=helpers_faults.KillRank", f"+callbacks.kill.rank={lost}",
+                        f"+callbacks.kill.step={step}", f"+callbacks.kill.where={where}",
+                        f"+callbacks.kill.stamp={stamp}", timeout=900)
+    ended = time.time()
+    assert out.returncode == EXIT_CODE, out.stderr[-4000:]
+    assert ended - float(stamp.read_text()) < BOUND_S
+    lines = [l for l in out.stderr.splitlines() if l.startswith("error: ")]
+    for rank in range(devices - 1):  # every survivor says which rank is gone, in one line
+        mine = [l for l in lines if l.startswith(f"error: rank {rank} stops: ")]
+        assert len(mine) == 1, lines
+        assert re.search(rf"rank {lost} \(pid \d+ on \S+\)", mine[0]) and "is gone" in mine[0], mine[0]
+        assert "the newest complete checkpoint is step0000002.ckpt; resume with ckpt_path=last" in mine[0], mine[0]
+    checkpoints = run / "checkpoints"
+    # the save of step 4 was interrupted: a temporary directory only, never ckpt_path=last
+    assert [p.name for p in checkpoints.iterdir() if p.name.startswith("step")] == ["step0000002.ckpt"]
+    assert any(p.name.startswith(".step0000004.ckpt.tmp") for p in checkpoints.iterdir()) == (where == "save")
+    assert newest_checkpoint(checkpoints) == checkpoints / "step0000002.ckpt"
+    assert resolve_ckpt_path("last", checkpoints, overwrite=False) == str(checkpoints / "step0000002.ckpt")
