@@ -206,15 +206,16 @@ class ThroughputMonitor(Callback):
         agree = bool if trainer.world_size == 1 else lambda low: trainer.strategy.reduce_boolean_decision(low, all=False)
         message = self.floor.judge(stats, pl_module.device, step, self.peak, agree)
         # the verdict is every rank's (agree), so every rank traces the same steps
-        profiling = (message is not None and self.profile_on_low_mfu and not self.profiler.taken
-                     and not self.profiler.running)
-        if profiling:
+        profiling = message is not None and self.profile_on_low_mfu and (
+            self._low_mfu_trace or not (self.profiler.taken or self.profiler.running))
+        if profiling and not self._low_mfu_trace:
             self.profiler.schedule(step)
             self._low_mfu_trace = True
         if message and self.floor.on_low_mfu == "raise":
             if not profiling:
                 raise LowMFUError(message)
-            self._raise_after_profile = message  # raised once the trace says where the time went
+            if self._raise_after_profile is None:  # raised once the trace says where the time went
+                self._raise_after_profile = message
             return
         if message:
             rank_zero_warn(message)
