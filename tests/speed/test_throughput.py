@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import re
+import tempfile
 from functools import partial
 
 import lightning as L
@@ -217,7 +218,9 @@ def fit(monitor: ThroughputMonitor, clock: FakeClock, steps: int, work=lambda st
     data = torch.randint(0, CFG.vocab_size, (B * steps, T + 1))
     loader = DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=B)
     module = LMModule(Transformer(CFG), optimizer=partial(torch.optim.AdamW, lr=1e-3))
+    # a floor that fires traces steps into <default_root_dir>/plots: a temporary directory, not the checkout
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
+                        default_root_dir=tempfile.mkdtemp(prefix="bnlit_throughput_"),
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                         log_every_n_steps=log_every_n_steps, callbacks=[Advance(clock, work), monitor])
     trainer.fit(module, train_dataloaders=loader)
