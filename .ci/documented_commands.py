@@ -84,6 +84,7 @@ SMOKE: list[tuple[str, list[str], int | str]] = [
     ("compare_tokenizers", ["python", "scripts/compare_tokenizers.py", "--help"], 0),
     ("bench", ["python", "scripts/bench.py", "--help"], 0),
     ("bench_data", ["python", "scripts/bench_data.py", "--help"], 0),
+    ("bench_compile", ["python", "scripts/bench_compile.py", "--help"], 0),
     ("compare_filters", ["python", "scripts/compare_filters.py", "--help"], 0),
     ("bench_dedup", ["python", "scripts/bench_dedup.py", "--help"], 0),
     ("bench_threads", ["python", "scripts/bench_threads.py", "--threads", "1", "--rounds", "1", "--steps", "1",

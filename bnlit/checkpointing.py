@@ -197,6 +197,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = tmp_name(path)
+        start = time.perf_counter()
         try:
             with open(tmp, "wb") as f:
                 self._serialize(checkpoint, f)
@@ -218,7 +219,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             raise CheckpointError(f"cannot write checkpoint {path}: {e.strerror or e}; {hint} "
                                   "(the previous checkpoint is intact)") from None
         _fsync_dir(path.parent)
-        log.debug("saved checkpoint %s", path)
+        # serialised, written and synced (scripts/gpu_check.py reads this line)
+        log.info("checkpoint: saved %s (%.2f GiB) in %.1f s", path.name, path.stat().st_size / 2**30,
+                 time.perf_counter() - start)
 
     def load_checkpoint(self, path, map_location: Callable | Any = None, weights_only: bool | None = True) -> dict[str, Any]:
         cached = self._preloaded.pop(str(path), None)

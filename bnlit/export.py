@@ -34,6 +34,12 @@ in llama.cpp's tokenizer and are handled here:
 - SentencePiece strips and collapses runs of spaces (``remove_extra_whitespaces``); llama.cpp
   does not. :func:`gguf_text` is the pre-call: bnlit's normalisation and that whitespace rule.
   With it llama.cpp's ids equal :meth:`Tokenizer.encode`'s (``tests/test_gguf.py``).
+
+llama.cpp applies no normalisation either, and raw text often spells a piece otherwise (most
+keyboards type the precomposed য় ড় ঢ় that bnlit decomposes). The file therefore carries, after the
+model's rows, a token for each other spelling of a piece, with the piece's embedding and output
+rows (:mod:`bnlit.raw_spellings`, ``raw_spellings=``): llama.cpp fed raw text reads bnlit's pieces,
+at the cost of the doubled output mass measured in docs/export.md "Raw text in llama.cpp".
 """
 
 from __future__ import annotations
@@ -323,8 +329,10 @@ def export_gguf(model: Transformer, tokenizer: Tokenizer, out_path: str | os.Pat
 
     w = gguf.GGUFWriter(None, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA])
     w.add_name(f"bnlit {cfg.name}")
-    w.add_description("exported by bnlit (scripts/export_gguf.py); tokenize " + NORMALIZATION_NOTE.removeprefix(
-        "call ") + ", then SentencePiece's whitespace rule (bnlit.export.gguf_text)")
+    w.add_description("exported by bnlit (scripts/export_gguf.py); for bnlit's exact ids tokenize "
+                      + NORMALIZATION_NOTE.removeprefix("call ") + ", then SentencePiece's whitespace rule "
+                      "(bnlit.export.gguf_text); raw text is read through the raw-spelling tokens from id "
+                      f"{cfg.vocab_size} on (bnlit.raw_spellings.alias_of), except characters bnlit removes")
     w.add_file_type(file_type)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     w.add_vocab_size(len(tokens))

@@ -18,9 +18,10 @@ from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_warn
 
 from bnlit import document_masking
 from bnlit.speed import sdpa
-from bnlit.speed.compile import CompileWatch, compile_loss, compile_model, recompile_warning
+from bnlit.speed.compile import CompileWatch, compile_line, compile_loss, compile_model, recompile_warning
 from bnlit.errors import BnlitError
 from bnlit.speed.fast_path import describe_fast_path
+from bnlit.speed.profiling import marked_closure
 from bnlit.loss import IGNORE_INDEX, loss_fn, logits_loss
 from bnlit.loggers import log_metrics
 from bnlit.tokenizer import EOS_ID
@@ -129,6 +130,7 @@ class LMModule(L.LightningModule):
         self._configured = False
         self.fast_path: str | None = None  # the run's "fast path: ..." line, set at train start
         self.compile_watch: CompileWatch | None = None  # Dynamo's compiles in this process (compile: true)
+        self._batch_step = 0  # the optimizer step the current micro-batch trains in
 
     def configure_model(self) -> None:
         device = self.trainer.strategy.root_device if self._trainer is not None else self.device
@@ -158,11 +160,18 @@ class LMModule(L.LightningModule):
             shard(self.model, mesh, mp_policy=mixed_precision_policy(precision))
         self._configured = True
 
-    def warn_recompiles(self) -> None:
-        """A warning with Dynamo's reason for each recompile since the last call (none expected
-        after the first step of each kind: ``bnlit.speed.compile``)."""
+    def log_compiles(self, step: int | None = None) -> None:
+        """Each Dynamo compile since the last call: a first compile logged with the optimizer step
+        it happened in (``step``; default the steps completed), a recompile (none expected after
+        the first step of each kind: ``bnlit.speed.compile``) warned about with Dynamo's reason."""
         for event in self.compile_watch.poll() if self.compile_watch is not None else ():
-            message = recompile_warning(event)
+            if step is None:
+                step = self.trainer.global_step if self._trainer is not None else 0
+            if not event.recompile:
+                if self._trainer is None or self.trainer.is_global_zero:
+                    log.info("%s", compile_line(event, step))
+                continue
+            message = recompile_warning(event, step)
             rank_zero_warn(message)
             log.warning("!!! %s", message)
 
@@ -188,6 +197,7 @@ class LMModule(L.LightningModule):
         return (model or self.model)(x, y, mask=self.attention_mask(x))
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        self._batch_step = self.global_step
         loss = self.loss_for_batch(batch)
         # no host read and no all-reduce on the steps nobody logs: the micro-batch losses add up
         # on the device and reach the loggers and the progress bar on logging steps only (global
@@ -205,7 +215,8 @@ class LMModule(L.LightningModule):
         return loss
 
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
-        self.warn_recompiles()
+        # the step this micro-batch trained in (the last one of a step ends after global_step counts it)
+        self.log_compiles(self._batch_step)
 
     def _attention_kernel(self, x: torch.Tensor) -> str:
         """The attention kernel a training step on windows like ``x`` dispatches (call it under
@@ -265,7 +276,7 @@ class LMModule(L.LightningModule):
         self._val_losses = []
 
     def on_validation_end(self) -> None:
-        self.warn_recompiles()  # validation's own, and the random twin's and multiple choice's before this hook
+        self.log_compiles()  # validation's own, and the random twin's and multiple choice's before this hook
         # the "step" logged above is the loggers' x value only: left in callback_metrics it would
         # name the next checkpoints (ModelCheckpoint's {step}) after this validation's step
         self.trainer.callback_metrics.pop("step", None)
@@ -281,6 +292,11 @@ class LMModule(L.LightningModule):
             Precision.clip_gradients(plugin, optimizer, gradient_clip_val, GradClipAlgorithmType(gradient_clip_algorithm or "norm"))
             return
         super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
+        # Lightning's default, the closure (forward, backward) marked for a profiler when one runs, so
+        # the MFU alarm's trace does not count the step's matmuls as optimizer time (bnlit.speed.profiling)
+        optimizer.step(closure=marked_closure(optimizer_closure))
 
     def configure_optimizers(self):
         wd = self.optimizer_factory.keywords.get("weight_decay", 0.0)

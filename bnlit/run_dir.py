@@ -12,9 +12,11 @@ the empty directory Hydra made for it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import logging.handlers
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -61,6 +63,22 @@ def _made_since_start(p: Path) -> bool:
         return False
 
 
+class RunLog(logging.FileHandler):
+    """The run's log file. A write the storage refuses (a full disk, ``ulimit -f``) ends the run like
+    any other refused write, in ``bnlit.train``'s one line naming this file, instead of logging's
+    "--- Logging error ---" traceback on every record after it while the run goes on."""
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        from bnlit.storage import is_storage_error
+
+        e = sys.exc_info()[1]
+        if not is_storage_error(e):
+            super().handleError(record)
+            return
+        logging.getLogger().removeHandler(self)
+        raise OSError(e.errno, e.strerror, self.baseFilename) from e
+
+
 _held: logging.handlers.MemoryHandler | None = None
 _log_file: logging.Handler | None = None
 
@@ -80,7 +98,8 @@ def close_log() -> None:
     for handler in (_held, _log_file):
         if handler is not None:
             logging.getLogger().removeHandler(handler)
-            handler.close()
+            with contextlib.suppress(OSError):  # a full disk refuses the last flush too
+                handler.close()
     _held = _log_file = None
 
 
@@ -103,7 +122,7 @@ def write_record(task_cfg: DictConfig) -> None:
                           ("overrides.yaml", hydra_cfg.hydra.overrides.task)):
             (record / name).write_text(OmegaConf.to_yaml(cfg), encoding="utf-8")
     fmt = OmegaConf.select(hydra_cfg, "hydra.job_logging.formatters.simple.format", default=None) or LOG_FORMAT
-    _log_file = logging.FileHandler(out / f"{hydra_cfg.hydra.job.name}.log", encoding="utf-8")
+    _log_file = RunLog(out / f"{hydra_cfg.hydra.job.name}.log", encoding="utf-8")
     _log_file.setFormatter(logging.Formatter(fmt))
     if _held is not None:
         for record in _held.buffer:

@@ -19,6 +19,7 @@ import contextlib
 import errno
 import os
 import re
+import resource
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -154,11 +155,18 @@ def human_bytes(n: float) -> str:
 
 def check_free_space(checkpoint_dir: str | os.PathLike, n_params: int, files: int, precision: Any = "32-true",
                      optimizer: str = "AdamW") -> int:
-    """Refuse (:class:`~bnlit.errors.CheckpointError`) when the filesystem of ``checkpoint_dir`` has less free
-    space than ``files`` checkpoints of the model need (the first save writes the step file and,
+    """Refuse (:class:`~bnlit.errors.CheckpointError`) when this process's file-size limit is below
+    one checkpoint, or the filesystem of ``checkpoint_dir`` has less free space than ``files``
+    checkpoints of the model need (the first save writes the step file and,
     with ``save_last``, ``last.ckpt``); return the bytes needed."""
     one = checkpoint_bytes(n_params, precision, optimizer)
     need = one * files
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY and limit < one:
+        raise CheckpointError(
+            f"this process's file-size limit (ulimit -f) is {human_bytes(limit)}, but one checkpoint file needs at "
+            f"least {human_bytes(one)} ({n_params:,} parameters x {one // n_params} bytes, weights and "
+            f"{optimizer.rsplit('.', 1)[-1]} state); raise the limit (ulimit -f unlimited) or train a smaller model")
     where = existing_ancestor(Path(checkpoint_dir))
     free = shutil.disk_usage(where).free
     if free < need:

@@ -87,7 +87,7 @@ def fit(cfg: DictConfig) -> dict[str, float]:
     module = instantiate(cfg.module)(model=model, optimizer=instantiate(cfg.optimizer), scheduler=scheduler)
     loggers = instantiate_group(cfg.get("logger"), {"tags": run_tags(cfg), **sweep_job()})
     trainer: L.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False,
-                                     plugins=[ckpt_io])
+                                     plugins=[ckpt_io], **val_check_in_batches(cfg.trainer))
     for lg in loggers:
         lg.log_hyperparams(redact(OmegaConf.to_container(cfg, resolve=True)))
 
@@ -100,13 +100,15 @@ def fit(cfg: DictConfig) -> dict[str, float]:
         metrics.update(scalar_metrics(trainer))
     compiled = None
     if module.compile_watch is not None:  # every compile of the run, the final validation's included
-        module.warn_recompiles()
+        module.log_compiles()
         compiled = module.compile_watch.summary()
         log.info("%s", compiled)
     if trainer.is_global_zero:
         for lg in loggers:
             lg.save()
-        write_summary(Path(cfg.paths.output_dir), metrics, notes=[getattr(module, "fast_path", None), compiled])
+        # the MFU alarm's "where the time went" line, when the floor fired (callbacks/throughput.py)
+        where = next((w for c in callbacks if (w := getattr(c, "where_time_went", None))), None)
+        write_summary(Path(cfg.paths.output_dir), metrics, notes=[getattr(module, "fast_path", None), compiled, where])
         timing = {"wall_s": time.perf_counter() - start, "threads": threads, "threads_end": torch.get_num_threads(),
                   "load_start": load_at_start, "load_end": load_average()}
         print_report(cfg, metrics, loggers, timing)
@@ -119,6 +121,17 @@ def scalar_metrics(trainer: L.Trainer) -> dict[str, float]:
     return {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1 and k != "step"}
 
 
+def val_check_in_batches(trainer_cfg) -> dict[str, int]:
+    """``trainer.val_check_interval`` counts optimizer steps (conf/trainer/default.yaml, the
+    preflight rule); Lightning counts training batches, i.e. micro-batches: under accumulation the
+    Trainer gets ``steps x accumulate_grad_batches`` (``trainer=h100``'s 250 steps would otherwise
+    validate every 250 micro-batches, every ~16 steps). A fraction of an epoch is left alone."""
+    interval, accumulate = trainer_cfg.get("val_check_interval"), trainer_cfg.get("accumulate_grad_batches") or 1
+    if isinstance(interval, int) and not isinstance(interval, bool) and accumulate > 1:
+        return {"val_check_interval": interval * accumulate}
+    return {}
+
+
 def needs_final_validation(trainer: L.Trainer) -> bool:
     """True when the fit ended on a step that was not validated (``max_steps`` is not a multiple
     of ``val_check_interval``, or below it) and no validation was switched off."""
@@ -127,7 +140,8 @@ def needs_final_validation(trainer: L.Trainer) -> bool:
         return False
     if not isinstance(interval, int):  # a fraction of an epoch: Lightning validated at the epoch end
         return False
-    return trainer.global_step > 0 and trainer.global_step % interval != 0
+    steps = max(1, interval // max(1, trainer.accumulate_grad_batches))  # val_check_in_batches
+    return trainer.global_step > 0 and trainer.global_step % steps != 0
 
 
 def main() -> None:

@@ -68,3 +68,32 @@ class KillRank(L.Callback):
                 return write_data(writer, plan, planner)
 
             FileSystemWriter.write_data = dying
+
+
+class SignalAt(L.Callback):
+    """Test-only: rank ``rank`` sends itself ``signum`` (SIGTERM) during optimizer step ``step``,
+    and every rank's checkpoint writes take ``slow_write_s`` longer (a slow disk), so the interrupt
+    checkpoint is still being written when the run starts to stop."""
+
+    def __init__(self, step: int, rank: int = 0, signum: int = 15, slow_write_s: float = 0.0):
+        self.step, self.rank, self.signum, self.slow_write_s = step, rank, signum, slow_write_s
+
+    def on_train_start(self, trainer, pl_module):
+        if self.slow_write_s:
+            import time
+
+            from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+            write_data, pause = FileSystemWriter.write_data, self.slow_write_s
+
+            def slow(writer, plan, planner):
+                time.sleep(pause)
+                return write_data(writer, plan, planner)
+
+            FileSystemWriter.write_data = slow
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            import os
+
+            os.kill(os.getpid(), self.signum)

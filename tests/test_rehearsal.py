@@ -102,7 +102,8 @@ def test_h100_rehearsal(tmp_path, cache_dir):
     from gpu_check import read_run
 
     r = read_run(run)
-    assert r["tokens_per_s"] > 0 and r["mfu_pct"] > 0 and r["peak_memory_gib"] > 0 and r["checkpoint"]
+    assert r["tokens_per_s"] > 0 and r["mfu_pct"] > 0 and r["hfu_pct"] > 0 and r["peak_memory_gib"] > 0
+    assert {s["file"] for s in r["checkpoint_saves"]} >= {"step0000004.ckpt", "last.ckpt"}
     assert r["parity"].startswith("fast-path parity (bf16-mixed, compiled): 20/20 parameters within tolerance")
     assert r["fast_path"].startswith("fast path: bf16-mixed autocast")
 

@@ -107,3 +107,24 @@ def test_sync_save_writes_the_same_directory(group, tmp_path):
     save(writer, path, 1, torch.arange(6.0))
     assert writer.pending is None and checkpoint_step(path) == 1  # on disk when save() returns
     torch.testing.assert_close(read_checkpoint(path)["state_dict"]["model.w"], torch.arange(6.0))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_sigterm_waits_for_the_asynchronous_interrupt_checkpoint(tmp_path, cache_dir):
+    """SIGTERM on a 2-rank ``trainer=fsdp`` run whose disk takes 5 s per shard write: the interrupt
+    checkpoint of the step is saved asynchronously, and the process exits (143) only after it is
+    complete under its name."""
+    from helpers_dist import run_train_cli
+    from test_dead_rank import EXACT
+    from test_rehearsal import DATA
+
+    run = tmp_path / "run"
+    out = run_train_cli(run, *DATA, *EXACT, "+callbacks.term._target_=helpers_faults.SignalAt",
+                        "+callbacks.term.step=2", "+callbacks.term.slow_write_s=5", timeout=900)
+    assert out.returncode == 143, out.stderr[-4000:]
+    assert "interrupted at step 3: saved checkpoints/step0000003.ckpt; resume with ckpt_path=last" in out.stderr
+    checkpoints = run / "checkpoints"
+    assert checkpoint_step(checkpoints / "step0000003.ckpt") == 3
+    assert newest_checkpoint(checkpoints) == checkpoints / "step0000003.ckpt"
+    assert not [p for p in checkpoints.iterdir() if p.name.startswith(".")]  # nothing left half-written

@@ -180,6 +180,49 @@ def test_metrics_log_full_during_a_run_is_one_line_and_the_run_resumes(cli, tmp_
     assert {0, 1, 2, 3} <= set(steps)  # the rows before the refusal kept, the resumed steps added
 
 
+class FillingFile:
+    """A text stream that refuses writes like a full disk's write() once ``full()`` is true."""
+
+    def __init__(self, stream, full):
+        self.stream, self.full = stream, full
+
+    def write(self, text: str) -> int:
+        if self.full():
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return self.stream.write(text)
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+@pytest.mark.slow  # two short runs (~20 s)
+def test_run_log_full_during_a_run_is_one_line_and_the_run_resumes(cli, tmp_path, monkeypatch):
+    """train.log on a disk that fills mid-run: logging printed "--- Logging error ---" and a
+    traceback for every record after it while the run went on; now the first refused record ends
+    the run in the one line, the checkpoints intact, and the rerun with ``ckpt_path=last`` once
+    space is freed completes (planted: a limit would refuse the larger checkpoint first)."""
+    import logging
+
+    real_open = logging.FileHandler._open
+    run = tmp_path / "r"
+    first = run / "checkpoints" / "step0000002.ckpt"  # the disk fills once it is written
+    monkeypatch.setattr(logging.FileHandler, "_open", lambda self: FillingFile(real_open(self), first.exists))
+    code, err = cli(run, "trainer.max_steps=6")
+    assert code == 2, "\n".join(err)
+    assert only_error(err).startswith(f"error: no space left on device writing {run}/train.log; free space under ")
+    assert not [line for line in err if "Logging error" in line or "Traceback" in line]
+    log = (run / "train.log").read_text()
+    assert "gradient flow: " in log  # the records before the disk filled
+    kept = sorted((run / "checkpoints").iterdir())
+    assert kept and all(torch.load(p, weights_only=True)["global_step"] >= 2 for p in kept)  # whole
+    monkeypatch.setattr(logging.FileHandler, "_open", real_open)
+    code, err = cli(run, "trainer.max_steps=6", "ckpt_path=last")
+    assert code == 0, "\n".join(err)
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 6
+    assert (run / "train.log").read_text().startswith(log)  # appended to, not replaced
+    assert temp_files(run) == []
+
+
 # ---- the embedded corpus and the datasets cache ------------------------------------------------
 def test_embedded_corpus_reads_under_a_file_size_limit():
     """sqlite sorted the books in a temporary file, which a file-size limit (or a full /var/tmp)
@@ -222,7 +265,9 @@ def test_cold_cache_under_a_file_size_limit_is_one_line(tmp_path):
     (11 MB) is the first file past the limit; once the sqlite sort stopped writing it is refused by
     name, not as sqlite's "disk I/O error" traceback."""
     cache, run = tmp_path / "cache", tmp_path / "run"
-    out = subprocess.run([sys.executable, "-m", "bnlit.train", *TINY, f"hydra.run.dir={run}", "threads=1"],
+    # without checkpoints: the file-size limit is below one checkpoint, which preflight refuses first
+    out = subprocess.run([sys.executable, "-m", "bnlit.train", *TINY, f"hydra.run.dir={run}", "threads=1",
+                          "~callbacks.model_checkpoint"],
                          capture_output=True, text=True, env=dict(os.environ, BNLIT_CACHE=str(cache)),
                          preexec_fn=limited(300_000), timeout=600)
     assert out.returncode == 2, out.stderr[-3000:]
@@ -250,7 +295,7 @@ def test_tokenizer_refused_mid_build_is_one_line_and_the_next_run_trains_it(tmp_
 
     first = train("warm")  # cleaning, a 1024-piece tokenizer and its shards
     assert first.returncode == 0, first.stderr[-3000:]
-    refused = train("refused", "model.config.vocab_size=4096", limit=60_000)
+    refused = train("refused", "model.config.vocab_size=4096", "~callbacks.model_checkpoint", limit=60_000)
     assert refused.returncode == 2, refused.stderr[-3000:]
     errors = [line for line in refused.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
@@ -321,6 +366,22 @@ def test_the_estimate_follows_precision_and_the_files_a_save_writes(make_cfg, mo
         assert f"x {bytes_per_param} bytes" in str(e.value) and (f"{files} checkpoint file" in str(e.value))
     cfg = make_cfg("~callbacks.model_checkpoint")
     check_disk_space(cfg)  # writes no checkpoint: nothing to check
+
+
+@pytest.mark.slow  # a child process that imports the trainer (~10-20 s on a loaded machine)
+def test_a_file_size_limit_below_one_checkpoint_refuses_before_any_work(tmp_path):
+    """``prlimit --fsize=300000 python -m bnlit.train``: the limit is below the tiny preset's
+    checkpoint, so the run is refused in preflight with the numbers, not after its data build."""
+    run, cache = tmp_path / "run", tmp_path / "cache"
+    out = subprocess.run([sys.executable, "-m", "bnlit.train", *TINY, f"hydra.run.dir={run}", "threads=1"],
+                         capture_output=True, text=True, env=dict(os.environ, BNLIT_CACHE=str(cache)),
+                         preexec_fn=limited(300_000), timeout=600)
+    assert out.returncode == 2, out.stderr[-3000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == ["error: this process's file-size limit (ulimit -f) is 300.0 kB, but one checkpoint file needs "
+                      "at least 2.0 MB (164,160 parameters x 12 bytes, weights and AdamW state); raise the limit "
+                      "(ulimit -f unlimited) or train a smaller model"], out.stderr[-3000:]
+    assert not cache.exists() and not run.exists()
 
 
 # ---- a real small filesystem ------------------------------------------------------------------

@@ -34,6 +34,16 @@ def test_short_run_leaves_checkpoint_tokenizer_and_metrics(make_cfg, tmp_path):
     assert ckpt["global_step"] == 4
 
 
+def test_validation_interval_counts_optimizer_steps_under_accumulation(make_cfg, tmp_path):
+    """``trainer.val_check_interval=2`` with 4 micro-batches per step validates after steps 2 and 4
+    (Lightning's own count is micro-batches: it would validate after every half step)."""
+    cfg = make_cfg("trainer.accumulate_grad_batches=4", "validate_at_start=false", "data.batch_size=2")
+    train(cfg)
+    rows = list(csv.DictReader(open(Path(cfg.paths.output_dir) / "csv" / "metrics.csv")))
+    assert sorted({int(r["step"]) for r in rows if r.get("val/loss")}) == [2, 4]
+    assert sum(1 for r in rows if r.get("val/loss")) == 2
+
+
 def test_loss_falls_on_the_embedded_corpus(make_cfg):
     cfg = make_cfg("trainer.max_steps=40", "trainer.val_check_interval=40", "optimizer.lr=1e-2")
     train(cfg)

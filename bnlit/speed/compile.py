@@ -13,8 +13,10 @@ training shape), so a new shape would only mean a recompile, never a faster grap
 on; ``eval``: inference mode or ``no_grad``) and code (a block's ``forward``, the loss). The first
 compile of each code in each kind is the warm-up; any later one is a recompile, which costs
 compile time in the middle of a run and, past ``torch._dynamo.config.recompile_limit``, silently
-falls back to eager. :meth:`CompileWatch.poll` returns those with Dynamo's own reason (the guard
-that failed: "tensor 'x' size mismatch at index 0. expected 16, actual 8") for the warning.
+falls back to eager. :meth:`CompileWatch.poll` returns the compiles since its last call, a recompile
+with Dynamo's own reason (the guard that failed: "tensor 'x' size mismatch at index 0. expected 16,
+actual 8"): :class:`bnlit.module.LMModule` logs each first compile with the step
+(:func:`compile_line`) and warns about each recompile (:func:`recompile_warning`).
 """
 
 from __future__ import annotations
@@ -143,11 +145,12 @@ class CompileWatch:
         return list(self._events)
 
     def poll(self) -> list[CompileEvent]:
-        """The recompiles since the last poll (each reported once)."""
+        """The compiles since the last poll, first compiles and recompiles alike (each reported
+        once): the caller logs a first compile and warns about a recompile."""
         if not self._pending and self._reported == len(self._events):
             return []  # the common case, every training step: nothing compiled
         events = self.events
-        new = [e for e in events[self._reported:] if e.recompile]
+        new = events[self._reported:]
         self._reported = len(events)
         return new
 
@@ -162,8 +165,10 @@ class CompileWatch:
             if not e.recompile:
                 kinds[e.kind] = kinds.get(e.kind, 0) + 1
         per_kind = ", ".join(f"{k} {n}" for k, n in sorted(kinds.items(), key=lambda kv: kv[0] != "train"))
-        return (f"torch.compile: {len(self.events) - len(self.recompiles)} graphs ({per_kind or 'none'}), "
-                f"{len(self.recompiles)} recompiles, {self.seconds():.1f} s compiling")
+        graphs, recompiles = len(self.events) - len(self.recompiles), len(self.recompiles)
+        plural = lambda n: "" if n == 1 else "s"  # noqa: E731
+        return (f"torch.compile: {graphs} graph{plural(graphs)} ({per_kind or 'none'}), "
+                f"{recompiles} recompile{plural(recompiles)}, {self.seconds():.1f} s compiling")
 
     def seconds(self) -> float:
         """Compile time of this watch's graphs, forward and backward, as Dynamo recorded it."""
@@ -177,8 +182,16 @@ class CompileWatch:
         return total
 
 
-def recompile_warning(event: CompileEvent, limit: int | None = None) -> str:
+def compile_line(event: CompileEvent, step: int) -> str:
+    """The log line of a first compile: ``torch.compile: compiled forward (bnlit/model.py:141)
+    [train] compile 0/0 at step 0 (3.2 s)``; tests/speed/test_recompiles.py reads these lines back."""
+    took = f" ({event.seconds:.1f} s)" if event.seconds is not None else ""
+    return f"torch.compile: compiled {event.describe()} at step {step}{took}"
+
+
+def recompile_warning(event: CompileEvent, step: int | None = None, limit: int | None = None) -> str:
     limit = torch._dynamo.config.recompile_limit if limit is None else limit
-    return (f"torch.compile recompiled after warm-up: {event.describe()}. Each recompile costs compile time "
+    at = f" at step {step}" if step is not None else ""
+    return (f"torch.compile recompiled after warm-up{at}: {event.describe()}. Each recompile costs compile time "
             f"mid-run, and after {limit} of one function Dynamo falls back to eager without a word; a forward "
             "at a new shape or mode is the usual cause (bnlit pads evaluation to the training shape)")

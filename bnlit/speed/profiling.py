@@ -9,6 +9,8 @@ and host gaps, as shares of the profiled wall time:
   ``triton_poi``/``triton_red`` and ATen's elementwise and reduction kernels elementwise; a kernel
   launched inside ``Optimizer.step`` is optimizer time); **host gaps** are the wall time the
   device did nothing (no kernel running): Python, launches, syncs;
+- a step's forward and backward that Lightning runs inside ``Optimizer.step`` (its closure, marked
+  ``bnlit.forward_backward`` by :class:`bnlit.module.LMModule` while a profiler runs) count by name;
 - on CPU, each ATen op's own (self) time by the op's name, and the time outside any op is the
   host gap (Python, Lightning, callbacks);
 - **data wait** is the time inside the data loader's ``__next__`` (``enumerate(DataLoader)``).
@@ -36,6 +38,35 @@ _RULES = (  # (category, pattern on the lower-cased kernel or op name); first ma
 )
 DATA = "enumerate(DataLoader)"
 OPTIMIZER_STEP = "Optimizer.step"
+# Lightning runs the forward and backward inside ``Optimizer.step`` (its closure): the module marks
+# the closure with this range while a profiler runs, so that work stays matmul, attention, ...
+FORWARD_BACKWARD = "bnlit.forward_backward"
+
+
+def marked_closure(closure):
+    """``closure`` inside a ``FORWARD_BACKWARD`` profiler range while a profiler runs; else itself
+    (nothing on the hot path of an unprofiled step but one flag read)."""
+    import torch
+
+    if closure is None or not torch.autograd.profiler._is_profiler_enabled:
+        return closure
+
+    def marked():
+        with torch.profiler.record_function(FORWARD_BACKWARD):
+            return closure()
+
+    return marked
+
+
+def _in_optimizer(names: list[str]) -> bool:
+    """Whether an op whose own and enclosing range names are ``names`` (innermost first) is the
+    optimizer's own work: inside ``Optimizer.step`` but not in the forward/backward closure it runs."""
+    for name in names:
+        if name == FORWARD_BACKWARD:
+            return False
+        if name.startswith(OPTIMIZER_STEP):
+            return True
+    return False
 
 
 def category(name: str) -> str:
@@ -117,7 +148,7 @@ def where_time_went(events, wall_s: float, steps: int) -> TimeSplit:
         for k in kernels:
             s = k.time_range.elapsed_us() / 1e6
             op = ops.get(getattr(k, "linked_correlation_id", None))
-            in_step = op is not None and any(a.startswith(OPTIMIZER_STEP) for a in [op.name, *_ancestors(op)])
+            in_step = op is not None and _in_optimizer([op.name, *_ancestors(op)])
             cat = "optimizer" if in_step else category(k.name)
             seconds[cat] += s
             totals[k.name] = totals.get(k.name, 0.0) + s
@@ -132,7 +163,7 @@ def where_time_went(events, wall_s: float, steps: int) -> TimeSplit:
         ancestors = _ancestors(e)
         if any(a.startswith(DATA) for a in ancestors):
             continue  # the loader's own ops are data wait
-        cat = "optimizer" if any(a.startswith(OPTIMIZER_STEP) for a in ancestors) else category(e.name)
+        cat = "optimizer" if _in_optimizer(ancestors) else category(e.name)
         seconds[cat] += s
         inside += s
         totals[e.name] = totals.get(e.name, 0.0) + s

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.data import DataLoader, TensorDataset
 
 from bnlit.checks import gradient_flow as gf
@@ -309,6 +310,8 @@ def test_healthy_bf16_autocast_passes_parity():
     assert len(report.names) == len(list(model.parameters()))
     assert 0.999 < report.worst_cosine < 1.0 and 0 < report.worst_rel_norm_error < 0.01  # bf16 did run
     assert all(p.grad is None for p in model.parameters())  # the model's .grad is left alone
+    assert set(report.floor) == set(report.names)  # bf16: every gradient's rounding floor was measured
+    assert all(0 < f["floor"] < 0.05 for f in report.floor.values())  # a fresh model: bf16 barely moves it
 
 
 @pytest.mark.parametrize("scale, rows, cos_fails, err_fails", [(0.5, None, False, True), (0.0, None, True, True),
@@ -324,6 +327,75 @@ def test_fast_path_with_a_wrong_kernel_gradient_is_named(scale, rows, cos_fails,
     assert (report.cosine[name] < report.min_cosine) == cos_fails
     assert (report.rel_norm_error[name] > report.max_rel_norm_error) == err_fails
     assert "disagrees with the eager fp32 reference" in report.failed[name]
+
+
+def _attention_grads(fn, sharpness: float):
+    g = torch.Generator().manual_seed(0)
+    q, k, v, w = (torch.randn(2, h, 64, 16, generator=g) for h in (4, 2, 2, 4))
+    # larger logits: sharper attention; inputs that bf16 holds exactly, so only the kernels round
+    q, k, v = (t.bfloat16().float() for t in (q * sharpness, k * sharpness, v))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    return torch.autograd.grad((fn(q, k, v).float() * w).sum(), (q, k, v))
+
+
+def _rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def test_rounding_floor_reproduces_the_bf16_flash_kernels_miss_on_sharp_attention():
+    """The cause of the parity probe's false alarms (issue 25 item 5): PyTorch's bf16 flash
+    attention forms the query/key gradients through D = rowsum(dO * O) of the output stored in
+    bf16 (and rounds P and dS for its matmuls). On inputs bf16 holds exactly, as attention
+    sharpens its query/key gradients miss the exact ones several times more than the math
+    kernel's at the same precision (which differentiates softmax from fp32 P and dP), and the fp32
+    emulation of its rounding points (the probe's floor) misses by the same amount."""
+    exact = _attention_grads(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), 1.0)
+    same = _attention_grads(lambda q, k, v: gf.flash_rounded_attention(q, k, v, is_causal=True, enable_gqa=True,
+                                                                      dtype=torch.float32), 1.0)
+    for a, b in zip(same, exact):  # no rounding: the emulation is exact attention
+        torch.testing.assert_close(a, b)
+    misses = {}
+    for sharpness in (1.0, 8.0):
+        ref = _attention_grads(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                              enable_gqa=True), sharpness)
+        fast = _attention_grads(lambda q, k, v: F.scaled_dot_product_attention(
+            q.bfloat16(), k.bfloat16(), v.bfloat16(), is_causal=True, enable_gqa=True), sharpness)
+        floor = _attention_grads(lambda q, k, v: gf.flash_rounded_attention(
+            q, k, v, is_causal=True, enable_gqa=True, dtype=torch.bfloat16), sharpness)
+        with sdpa_kernel([SDPBackend.MATH]):  # the same bf16 inputs, softmax backward from fp32 P and dP
+            math = _attention_grads(lambda q, k, v: F.scaled_dot_product_attention(
+                q.bfloat16(), k.bfloat16(), v.bfloat16(), is_causal=True, enable_gqa=True), sharpness)
+        misses[sharpness] = [(_rel(f, r), _rel(e, r), _rel(m, r)) for f, e, m, r in zip(fast, floor, math, ref)]
+        print(f"sharpness {sharpness:g}: relative miss of the exact q, k, v gradients: bf16 flash kernel "
+              + ", ".join(f"{f:.4f}" for f, _, _ in misses[sharpness]) + "; its fp32 emulation (the floor) "
+              + ", ".join(f"{e:.4f}" for _, e, _ in misses[sharpness]) + "; bf16 math kernel "
+              + ", ".join(f"{m:.4f}" for _, _, m in misses[sharpness]))
+    for fast, floor, _ in misses[1.0]:
+        assert fast < 0.01 and floor < 0.01
+    (q_fast, _, q_math), (k_fast, _, k_math), (v_fast, _, v_math) = misses[8.0]
+    assert q_fast > 3 * q_math and k_fast > 3 * k_math and v_fast < 2 * v_math  # the query/key gradients only
+    for fast, floor, _ in misses[8.0]:
+        assert floor / 1.5 < fast < floor * 1.5, misses
+
+
+def test_the_rounding_floor_widens_a_tolerance_and_a_fault_beyond_it_still_fails():
+    assert gf.floor_tolerances(0.001, 0.99, 0.05) == (0.99, 0.05)  # a small floor never tightens the bounds
+    lo, hi = gf.floor_tolerances(0.05, 0.99, 0.05)
+    assert hi == pytest.approx(gf.FLOOR_FACTOR * 0.05) and lo == pytest.approx((1 - (gf.FLOOR_FACTOR * 0.05) ** 2) ** 0.5)
+    assert gf.floor_tolerances(1.0, 0.99, 0.05)[0] == 0.0  # a gradient bf16 cannot resolve: any direction
+    g = torch.Generator().manual_seed(0)
+    ref = {"sharp": torch.randn(1000, generator=g), "plain": torch.randn(1000, generator=g)}
+    noise = {n: 0.05 * r.norm() / 1000 ** 0.5 * torch.randn(1000, generator=g) for n, r in ref.items()}
+    floor = {n: ref[n] + noise[n] for n in ref}  # a 5% rounding floor on both
+    healthy = {n: ref[n] + 2 * noise[n].roll(1) for n in ref}  # a correct fast path: twice the floor's miss
+    faulty = {"sharp": healthy["sharp"], "plain": -ref["plain"]}  # a sign-flipped kernel
+    report = compare_gradients(healthy, ref, min_cosine=0.999, max_rel_norm_error=0.01, floor=floor)
+    assert report.ok and set(report.widened) == {"sharp", "plain"}, report.failed
+    assert report.floor["plain"]["floor"] == pytest.approx(0.05, rel=0.1)
+    report = compare_gradients(faulty, ref, min_cosine=0.999, max_rel_norm_error=0.01, floor=floor)
+    assert list(report.failed) == ["plain"] and "widened by its rounding floor" in report.failed["plain"]
+    without = compare_gradients(healthy, ref, min_cosine=0.999, max_rel_norm_error=0.01)
+    assert not without.ok  # the same healthy gradients fail the fixed bounds: the floor is what passes them
 
 
 def test_parity_reference_is_eager_fp32_without_copying_fp32_weights():

@@ -88,7 +88,8 @@ def test_identical_blocks_share_one_graph_and_a_second_kind_is_no_recompile():
             m(x)
         assert [(e.code.split(" ")[0], e.kind) for e in watch.events] == [
             ("forward", "train"), ("chunked_loss", "train"), ("forward", "eval"), ("chunked_loss", "eval")]
-        assert watch.poll() == [] and watch.recompiles == []
+        assert [e.recompile for e in watch.poll()] == [False] * 4 and watch.recompiles == []
+        assert watch.poll() == []  # each reported once
         assert watch.summary().startswith("torch.compile: 4 graphs (train 2, eval 2), 0 recompiles")
         # 6 blocks, one block graph: the blocks' code compiled once per kind
         assert sum(1 for e in watch.events if e.code.startswith("forward")) == 2
@@ -103,7 +104,7 @@ def test_the_watch_names_a_recompile_and_dynamos_reason():
         compile_model(m, backend="eager")
         x, y = batch(2, 32)
         m(x, y).backward()
-        assert watch.poll() == []
+        assert [e.recompile for e in watch.poll()] == [False, False]  # the first compiles
         m(*batch(3, 32)).backward()  # another micro-batch size: a recompile of the block and the loss
         new = watch.poll()
         assert [e.code.split(" ")[0] for e in new] == ["forward", "plain_loss"]

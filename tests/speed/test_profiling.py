@@ -60,3 +60,39 @@ def test_a_cpu_trace_of_three_steps_in_one_line():
         assert word in line, (word, line)
     d = split.to_dict()
     assert d["pct"]["matmul"] == pytest.approx(100 * split.seconds["matmul"] / wall)
+
+
+def test_the_throughput_monitor_traces_the_steps_it_is_asked_for(tmp_path, caplog):
+    """``callbacks.throughput.profile_at_step`` (what ``scripts/gpu_check.py --profile`` sets): one
+    trace of ``profile_steps`` optimizer steps after that step, accumulation included, its line in
+    the log and its chrome trace in the run's plots/."""
+    import json
+    import logging
+    from functools import partial
+
+    import lightning as L
+
+    from bnlit.callbacks.throughput import ThroughputMonitor
+    from bnlit.module import LMModule
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(name="t", vocab_size=512, dim=64, n_layer=2, n_head=4, n_kv_heads=2, multiple_of=32,
+                      max_seq_len=64)
+    data = torch.randint(0, 512, (2 * 2 * 6, 33))
+    loader = DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=2)
+    monitor = ThroughputMonitor(profile_at_step=2, profile_steps=2)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=6, accumulate_grad_batches=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=tmp_path, callbacks=[monitor])
+    with caplog.at_level(logging.INFO, logger="bnlit"):
+        trainer.fit(LMModule(Transformer(cfg), optimizer=partial(torch.optim.AdamW, lr=1e-3)), train_dataloaders=loader)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("profile: ")]
+    assert len(lines) == 1 and lines[0].startswith("profile: where the time went (2 steps, "), lines
+    trace = tmp_path / "plots" / "profile_step3.json"  # steps 3 and 4 (1-based): after step 2 completed
+    assert lines[0].endswith(str(trace)) and monitor.profile["files"] == [str(trace)]
+    events = json.loads(trace.read_text())["traceEvents"]
+    # 2 optimizer steps of 2 micro-batches: 2 optimizer steps in the trace, and 3 loader fetches (the
+    # trace starts at the first micro-batch's batch hook, after the loader handed that batch over)
+    assert sum(e.get("name", "").startswith("Optimizer.step") for e in events) == 2
+    assert sum(e.get("name", "").startswith("enumerate(DataLoader)") for e in events) == 3
+    assert not (tmp_path / "plots" / "memory_snapshot.pickle").exists()  # the allocator's history: CUDA only

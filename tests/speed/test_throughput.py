@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import csv
+import json
 import re
+import tempfile
 from functools import partial
 
 import lightning as L
@@ -216,7 +218,9 @@ def fit(monitor: ThroughputMonitor, clock: FakeClock, steps: int, work=lambda st
     data = torch.randint(0, CFG.vocab_size, (B * steps, T + 1))
     loader = DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=B)
     module = LMModule(Transformer(CFG), optimizer=partial(torch.optim.AdamW, lr=1e-3))
+    # a floor that fires traces steps into <default_root_dir>/plots: a temporary directory, not the checkout
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
+                        default_root_dir=tempfile.mkdtemp(prefix="bnlit_throughput_"),
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                         log_every_n_steps=log_every_n_steps, callbacks=[Advance(clock, work), monitor])
     trainer.fit(module, train_dataloaders=loader)
@@ -281,11 +285,49 @@ def test_mfu_floor_is_quiet_at_full_speed_and_warns_when_asked():
     quiet = ThroughputMonitor(window_steps=1, log_every_n_steps=1, cpu_min_mfu_pct=20.0, warmup_steps=3,
                        on_low_mfu="raise", peak_tflops=_peak_for(50.0), clock=clock)
     fit(quiet, clock, steps=6)  # 50% MFU throughout: no error
+    assert quiet.where_time_went is None and not quiet.profiler.taken  # and no trace
     clock = FakeClock()
     warn = ThroughputMonitor(window_steps=1, log_every_n_steps=1, cpu_min_mfu_pct=20.0, warmup_steps=3,
                       on_low_mfu="warn", peak_tflops=_peak_for(10.0), clock=clock)
     with pytest.warns(UserWarning, match="below the floor of 20%"):
         fit(warn, clock, steps=5)
+
+
+def test_low_mfu_takes_one_trace_and_says_where_the_time_went(tmp_path):
+    """The floor fires at step 3 and at every step after it; one trace of the next 2 steps is taken
+    (steps 4-5), summarised in one line and written as a chrome trace another tool can read; the
+    traced steps leave the window (no report at step 5)."""
+    clock = FakeClock()
+    monitor = Recording(window_steps=1, log_every_n_steps=1, cpu_min_mfu_pct=20.0, warmup_steps=3, on_low_mfu="warn",
+                        peak_tflops=_peak_for(10.0), profile_steps=2, profile_dir=str(tmp_path), clock=clock)
+    with pytest.warns(UserWarning, match="below the floor of 20%"):
+        fit(monitor, clock, steps=9)
+    line = monitor.where_time_went
+    assert line.startswith("where the time went (2 steps, ") and "cpu ops" in line, line
+    for word in ("matmul", "attention", "elementwise", "optimizer", "data wait", "host gaps"):
+        assert word in line, (word, line)
+    assert [p.name for p in tmp_path.iterdir()] == ["profile_step4.json"]
+    assert monitor.profile["files"] == [str(tmp_path / "profile_step4.json")]
+    events = json.loads((tmp_path / "profile_step4.json").read_text())["traceEvents"]
+    names = {e.get("name") for e in events}
+    assert "Optimizer.step#AdamW.step" in names and any(n and n.startswith("aten::") for n in names)
+    assert [s for s, _ in monitor.reports] == [2, 3, 4, 6, 7, 8, 9]
+
+
+def test_low_mfu_raise_stops_after_the_trace_with_its_line(tmp_path):
+    clock = FakeClock()
+    monitor = ThroughputMonitor(window_steps=1, log_every_n_steps=1, cpu_min_mfu_pct=20.0, warmup_steps=3,
+                                on_low_mfu="raise", peak_tflops=_peak_for(10.0), profile_steps=2,
+                                profile_dir=str(tmp_path), clock=clock)
+    with pytest.raises(LowMFUError, match=r"(?s)below the floor of 20% at step [34] .*where the time went \(2 steps, "):
+        fit(monitor, clock, steps=9)
+    assert monitor.profiler.taken and monitor.profile["files"] == [str(tmp_path / "profile_step4.json")]
+    clock = FakeClock()
+    off = ThroughputMonitor(window_steps=1, log_every_n_steps=1, cpu_min_mfu_pct=20.0, warmup_steps=3,
+                            on_low_mfu="raise", peak_tflops=_peak_for(10.0), profile_on_low_mfu=False, clock=clock)
+    with pytest.raises(LowMFUError, match="at step 3") as e:
+        fit(off, clock, steps=9)
+    assert "where the time went" not in str(e.value) and off.where_time_went is None
 
 
 def test_mfu_floor_waits_for_warmup_and_is_off_on_cpu_by_default():
@@ -319,6 +361,20 @@ def test_default_run_logs_perf_and_memory(make_cfg, tmp_path):
     rows = list(csv.DictReader(open(next((tmp_path / "run").rglob("metrics.csv")))))
     logged = [r for r in rows if r.get("throughput/tokens_per_s")]
     assert logged and all(r.get("train/lr") for r in rows if r.get("train/loss"))
+
+
+@pytest.mark.slow
+def test_a_run_whose_mfu_floor_fires_says_where_the_time_went_in_its_summary(make_cfg, tmp_path):
+    """The floor (raised to 100% on CPU, where it is off by default: the CUDA path is the same
+    code) fires at step 2; steps 3-4 are traced; the line reaches summary.md and the trace the run's plots/."""
+    cfg = make_cfg("trainer.max_steps=5", "callbacks.throughput.cpu_min_mfu_pct=100",
+                   "callbacks.throughput.warmup_steps=2", "callbacks.throughput.profile_steps=2")
+    with pytest.warns(UserWarning, match="below the floor of 100%"):
+        train(cfg)
+    run = tmp_path / "run"
+    summary = (run / "summary.md").read_text()
+    assert re.search(r"^where the time went \(2 steps, [\d.]+ s, cpu ops\): .*matmul \d+%", summary, re.M), summary[:2000]
+    assert [p.name for p in (run / "plots").glob("profile_step*.json")] == ["profile_step3.json"]
 
 
 def test_h100_config_is_the_fast_path():

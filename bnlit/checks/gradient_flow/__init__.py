@@ -16,7 +16,10 @@ them and what to do with a failure), one job per module:
 * :mod:`~bnlit.checks.gradient_flow.parity` -- :func:`fast_path_parity`: on one probe batch the
   configured fast path (bf16 autocast, ``torch.compile``, fused kernels) gives per-parameter
   gradients with the direction (cosine similarity) and size (relative norm error) of the same
-  module run eagerly in fp32.
+  module run eagerly in fp32, within tolerances that each gradient's bf16 rounding floor widens.
+* :mod:`~bnlit.checks.gradient_flow.rounding` -- :class:`RoundLikeAutocast`: the fast path's
+  rounding (bf16/fp16 at every matmul, FlashAttention-2's rounding points in attention) computed
+  with fp32 eager kernels: the parity probe's rounding floor.
 * :mod:`~bnlit.checks.gradient_flow.arbiter` -- the verdict logic that combines them: the
   settings (``callbacks.gradient_flow.*``), what is due at each step, the findings and the
   failure report.
@@ -65,14 +68,24 @@ from bnlit.checks.gradient_flow.gradients import (
 )
 from bnlit.checks.gradient_flow.params import INF, NamedParameters, Reduce, allowed, unique_trainable
 from bnlit.checks.gradient_flow.parity import (
+    FLOOR_FACTOR,
     ParityReport,
     compare_gradients,
     eager_fp32,
     fast_path_parity,
+    floor_tolerances,
     ignore_outside,
     probe_gradients,
     reference_context,
     slice_batch,
+)
+from bnlit.checks.gradient_flow.rounding import (
+    MATMULS,
+    FlashRounding,
+    Round,
+    RoundLikeAutocast,
+    flash_rounded_attention,
+    rounded,
 )
 from bnlit.checks.gradient_flow.sentinel import GradientSentinel, total_grad_norm
 from bnlit.checks.gradient_flow.updates import (
@@ -85,12 +98,13 @@ from bnlit.checks.gradient_flow.updates import (
 )
 
 __all__ = [
-    "ALLOW_CATEGORIES", "CATEGORIES", "DEAD_ROW_SHARE", "INF", "MAX_DEFERRED", "PARITY_OFF", "PROBE_HOOK",
+    "ALLOW_CATEGORIES", "CATEGORIES", "DEAD_ROW_SHARE", "FLOOR_FACTOR", "FlashRounding", "INF", "MATMULS", "MAX_DEFERRED", "PARITY_OFF", "PROBE_HOOK",
     "REPORT_NAME", "VANISHING_FACTOR", "ArbiterSettings", "ArbiterState", "GradientFlowError", "GradientFlowReport",
-    "GradientSentinel", "NamedParameters", "ParameterSnapshot", "ParamGroupReport", "ParityReport", "Reduce",
+    "GradientSentinel", "NamedParameters", "ParameterSnapshot", "ParamGroupReport", "ParityReport", "Reduce", "Round",
+    "RoundLikeAutocast",
     "UpdateFlowReport", "allowed", "compare_gradients", "eager_fp32", "embedding_row_exempt", "failure_report",
-    "fast_path_parity", "full_check", "gradient_flow_report", "ignore_outside", "integer_tensors",
+    "fast_path_parity", "flash_rounded_attention", "floor_tolerances", "full_check", "gradient_flow_report", "ignore_outside", "integer_tensors",
     "membership_verdict", "param_group_report", "parity_alarm_hint", "parity_probe", "probe_gradients",
-    "reference_context", "sentinel_findings", "slice_batch", "snapshot_parameters", "total_grad_norm",
+    "reference_context", "rounded", "sentinel_findings", "slice_batch", "snapshot_parameters", "total_grad_norm",
     "unique_trainable", "update_flow_report",
 ]
