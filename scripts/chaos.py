@@ -417,10 +417,11 @@ def report(results: list[dict], timing: dict, args, load: tuple[float, float]) -
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--trials", type=int, default=50)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=Path("outputs/chaos"))
-    ap.add_argument("--signals", nargs="+", default=list(SIGNALS), choices=SIGNALS)
+    ap.add_argument("--trials", type=int, default=50, help="interrupted runs, each rerun until it finishes")
+    ap.add_argument("--seed", type=int, default=0, help="draws the signals, phases and moments")
+    ap.add_argument("--out", type=Path, default=Path("outputs/chaos"),
+                    help="a new directory: the reference runs, failed trials, report.json and report.md")
+    ap.add_argument("--signals", nargs="+", default=list(SIGNALS), choices=SIGNALS, help="the signals drawn from")
     ap.add_argument("--max-interrupts", type=int, default=3, help="interruptions per trial: 1 to this many")
     ap.add_argument("--cold-share", type=float, default=0.3, help="share of trials that start on an empty cache")
     ap.add_argument("--compile-share", type=float, default=0.15,
