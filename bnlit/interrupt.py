@@ -147,10 +147,11 @@ class StopAtOnce:
         self.requeue = {signal_number(s) for s in requeue_signals}
         self.newest = newest
 
-    def install(self) -> None:
-        if threading.current_thread() is threading.main_thread():
-            for s in self.signums:
-                signal.signal(s, self)
+    def install(self) -> dict[int, Any]:
+        """Install for every stop signal; the handlers it replaced (for :func:`restore_handlers`)."""
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+        return {s: signal.signal(s, self) for s in self.signums}
 
     def __call__(self, signum: int, frame: Any) -> None:
         for s in self.signums:  # a second signal while this one unwinds stops the process outright
@@ -158,6 +159,12 @@ class StopAtOnce:
         step, path = self.newest()
         then = requeue_slurm_job if signum in self.requeue and "SLURM_JOB_ID" in os.environ else None
         raise Interrupted(signum, step, path, then=then)
+
+
+def restore_handlers(before: dict[int, Any]) -> None:
+    """Put back handlers that :meth:`StopAtOnce.install` replaced (``None``: set outside Python)."""
+    for s, h in before.items():
+        signal.signal(s, h if h is not None else signal.SIG_DFL)
 
 
 WORKER_IGNORED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)

@@ -25,7 +25,7 @@ from bnlit import lost_rank, quiet, run_dir
 from bnlit.checkpointing import checkpoint_step, newest_checkpoint, prepare_resume, remove_partial_writes
 from bnlit.command_line import check_command_line
 from bnlit.errors import BnlitError, ConfigError
-from bnlit.interrupt import Interrupted, StopAtOnce
+from bnlit.interrupt import Interrupted, StopAtOnce, restore_handlers
 from bnlit.loggers import finish_wandb_run, redact, run_tags, sweep_job
 from bnlit.preflight import check_config, instantiate_checked
 from bnlit.run_report import print_report, write_summary
@@ -157,8 +157,7 @@ def main() -> None:
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
 def run(cfg: DictConfig) -> float | None:
     stop = stop_at_once(cfg)
-    if stop is not None:
-        stop.install()
+    before = stop.install() if stop is not None else {}
     try:
         metrics = train(cfg)
         return optimized(metrics, cfg.get("optimized_metric"))
@@ -184,6 +183,8 @@ def run(cfg: DictConfig) -> float | None:
     except Exception as e:
         stop_if_a_rank_is_lost(e, cfg)
         raise
+    finally:
+        restore_handlers(before)  # a caller's own handlers again (a test, a notebook, a sweep's next job)
 
 
 def stop_if_a_rank_is_lost(e: BaseException, cfg: DictConfig) -> None:

@@ -304,7 +304,7 @@ def sharded_save(overrides: list[str], out: Path) -> dict:
     writer.wait()
     total = time.perf_counter() - t0
     size = sum(f.stat().st_size for f in path.iterdir()) if path.is_dir() else 0
-    return {"device": device, "model": cfg.model.config.name, "blocked_s": round(blocked, 2), "total_s": round(total, 2),
+    return {"device": device, "model": cfg.model.config.name, "blocked_s": round(blocked, 4), "total_s": round(total, 4),
             "gib": round(size / 2**30, 3), "complete": sharded_complete(path), "path": str(path)}
 
 

@@ -175,7 +175,8 @@ def test_rehearsed_check_prints_every_figure_as_json_lines(tmp_path, cache_dir):
 def test_the_sharded_save_check_writes_a_complete_dcp_checkpoint(tmp_path):
     result = gpu_check.sharded_save(["model=tiny", "trainer=h100", "debug=rehearsal"], tmp_path)
     assert result["complete"] is True and result["device"] == "cpu" and result["model"] == "tiny"
-    assert 0 < result["blocked_s"] <= result["total_s"] and result["gib"] > 0
+    # a tiny model's copy to host memory can take under 0.1 ms: only the order and the write are sure
+    assert 0 <= result["blocked_s"] <= result["total_s"] and result["total_s"] > 0 and result["gib"] > 0
     from bnlit.checkpointing import read_checkpoint
 
     ckpt = read_checkpoint(result["path"])  # gathered back by the reader export and evaluate use

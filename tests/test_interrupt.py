@@ -263,7 +263,8 @@ def test_outside_training_a_signal_stops_at_once_naming_the_newest_checkpoint(tm
     stop = StopAtOnce(["SIGTERM", "SIGINT"], lambda: newest[0])
     before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        stop.install()
+        replaced = stop.install()
+        assert replaced == before
         with pytest.raises(Interrupted) as e:
             os.kill(os.getpid(), signal.SIGTERM)
         assert e.value.exit_code == 143 and e.value.path is None

@@ -190,8 +190,9 @@ def evaluate_stream(
     for i in range(most):
         chunk = mine[i * batch_size:(i + 1) * batch_size]
         rows = chunk or every[:1]
-        width = max(n for _, n, _ in rows)
-        x = torch.full((len(rows), width), pad, dtype=torch.long)
+        # every forward at one shape, (batch_size, seq_len): a compiled model reuses one graph for the
+        # short last batch and short windows too (padding rows and columns are not scored)
+        x = torch.full((batch_size, max(seq_len, *(n for _, n, _ in rows))), pad, dtype=torch.long)
         for r, (s, n, _) in enumerate(rows):
             x[r, :n] = stream[s:s + n]
         x = x.to(device)
