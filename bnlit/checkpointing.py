@@ -220,8 +220,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                                   "(the previous checkpoint is intact)") from None
         _fsync_dir(path.parent)
         # serialised, written and synced (scripts/gpu_check.py reads this line)
-        log.info("checkpoint: saved %s (%.2f GiB) in %.1f s", path.name, path.stat().st_size / 2**30,
-                 time.perf_counter() - start)
+        log.info("checkpoint: saved %s (%.2f GiB) in %.1f s at step %s", path.name, path.stat().st_size / 2**30,
+                 time.perf_counter() - start, checkpoint.get("global_step", "?"))
 
     def load_checkpoint(self, path, map_location: Callable | Any = None, weights_only: bool | None = True) -> dict[str, Any]:
         cached = self._preloaded.pop(str(path), None)

@@ -189,6 +189,9 @@ def start(run_dir: Path, cache: Path, resume: bool, compiled: bool) -> subproces
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
+RUN_TIMEOUT_S = [900.0]  # --run-timeout: a run still going after this is a hang (killed, and a problem)
+
+
 def attempt(run_dir: Path, cache: Path, resume: bool, plan: tuple[str, str] | None, rng: random.Random,
             timing: dict[str, float], compiled: bool = False) -> tuple[Attempt, Watch]:
     a = Attempt(resume=resume, first_step=resumes_from(run_dir) if resume else 0)
@@ -202,7 +205,16 @@ def attempt(run_dir: Path, cache: Path, resume: bool, plan: tuple[str, str] | No
             a.signal = None  # the run ended before the moment came: no interruption
         else:
             a.phase, a.step = hit
-    a.rc = proc.wait(timeout=900)
+    try:
+        a.rc = proc.wait(timeout=RUN_TIMEOUT_S[0])
+    except subprocess.TimeoutExpired:  # a hang: recorded with the run's last lines, the trials go on
+        proc.kill()
+        a.rc = proc.wait()
+        watch.reader.join(timeout=30)
+        a.wall_s = time.perf_counter() - t0
+        a.problems.append(f"hung: still running after {RUN_TIMEOUT_S[0]:.0f} s (phase {watch.phase}, "
+                          f"signal {a.signal} in {a.phase}); last lines: {' | '.join(watch.text[-6:])[-1200:]}")
+        return a, watch
     watch.reader.join(timeout=30)
     a.wall_s = time.perf_counter() - t0
     a.lines = [ln for ln in watch.text if ln.startswith("interrupted ")]
@@ -426,8 +438,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cold-share", type=float, default=0.3, help="share of trials that start on an empty cache")
     ap.add_argument("--compile-share", type=float, default=0.15,
                     help="share of trials run with module.compile=true (Inductor on CPU: about 1-2 min more per run)")
+    ap.add_argument("--run-timeout", type=float, default=900.0,
+                    help="seconds after which a run counts as hung: it is killed and the trial fails")
     ap.add_argument("--keep", action="store_true", help="keep every trial's run dir (failed ones are always kept)")
     args = ap.parse_args(argv)
+    RUN_TIMEOUT_S[0] = args.run_timeout
     out = args.out.resolve()
     if out.exists() and any(out.iterdir()):
         print(f"error: --out {out} is not empty; pass a new directory", file=sys.stderr)
