@@ -99,10 +99,16 @@ def checkpoint_steps(checkpoint_dir: Path) -> dict[Path, int]:
 def newest_checkpoint(checkpoint_dir: Path) -> Path | None:
     """The complete checkpoint with the highest ``global_step`` (a step file before ``last.ckpt``
     of the same step: it names the step in the resume line)."""
+    return newest_step(checkpoint_dir)[1]
+
+
+def newest_step(checkpoint_dir: Path) -> tuple[int, Path | None]:
+    """``(step, path)`` of :func:`newest_checkpoint`, from one look at the files; ``(0, None)``: none."""
     steps = checkpoint_steps(checkpoint_dir)
     if not steps:
-        return None
-    return max(steps, key=lambda p: (steps[p], p.name != LAST, p.name))
+        return 0, None
+    path = max(steps, key=lambda p: (steps[p], p.name != LAST, p.name))
+    return steps[path], path
 
 
 def remove_partial_writes(checkpoint_dir: Path) -> list[Path]:

@@ -36,7 +36,7 @@ def record_peers() -> None:
     PEERS[:] = [(h, pid) for h, pid, _ in out]
 
 
-def _running(pid: int) -> bool:
+def process_running(pid: int) -> bool:
     """Whether ``pid`` runs on this host (a zombie, killed but not yet reaped, does not)."""
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -55,7 +55,7 @@ def lost_ranks() -> tuple[list[int], list[int]]:
     """``(gone, unknown)``: the ranks on this host whose process no longer runs, and the ranks on
     other hosts (not checkable from here)."""
     host = socket.gethostname()
-    gone = [r for r, (h, pid) in enumerate(PEERS) if h == host and pid != os.getpid() and not _running(pid)]
+    gone = [r for r, (h, pid) in enumerate(PEERS) if h == host and pid != os.getpid() and not process_running(pid)]
     unknown = [r for r, (h, _) in enumerate(PEERS) if h != host]
     return gone, unknown
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from bnlit.errors import CheckpointError
+from bnlit.lost_rank import process_running
 
 # the write errors that mean the storage, not bnlit, refused: what it is, and what frees it
 STORAGE_ERRORS = {
@@ -72,20 +73,10 @@ def remove_stale_temp_files(directory: Path) -> list[Path]:
     gone = []
     for p in Path(directory).rglob(".*.tmp*"):
         m = re.fullmatch(r"\..+\.tmp(\d+)", p.name)
-        if m and p.is_file() and not _running(int(m.group(1))):
+        if m and p.is_file() and not process_running(int(m.group(1))):
             p.unlink(missing_ok=True)
             gone.append(p)
     return gone
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @contextlib.contextmanager

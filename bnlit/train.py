@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 import bnlit.resolvers  # noqa: F401  (registers ${bnlit.*} resolvers)
 from bnlit import CONF_DIR
 from bnlit import lost_rank, quiet, run_dir
-from bnlit.checkpointing import checkpoint_step, newest_checkpoint, prepare_resume, remove_partial_writes
+from bnlit.checkpointing import newest_checkpoint, newest_step, prepare_resume, remove_partial_writes
 from bnlit.command_line import check_command_line
 from bnlit.errors import BnlitError, ConfigError
 from bnlit.interrupt import Interrupted, StopAtOnce, restore_handlers
@@ -208,12 +208,7 @@ def stop_at_once(cfg: DictConfig) -> StopAtOnce | None:
     if spec is None:
         return None
     checkpoint_dir = Path(cfg.paths.checkpoint_dir)
-
-    def newest() -> tuple[int, Path | None]:
-        path = newest_checkpoint(checkpoint_dir)
-        return (checkpoint_step(path) or 0, path) if path is not None else (0, None)
-
-    return StopAtOnce(spec.signals, newest, spec.get("requeue_signals", ()))
+    return StopAtOnce(spec.signals, lambda: newest_step(checkpoint_dir), spec.get("requeue_signals", ()))
 
 
 def refuse(e: BnlitError, cfg: DictConfig) -> None:

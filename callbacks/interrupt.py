@@ -11,7 +11,7 @@ from pathlib import Path
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from bnlit.checkpointing import adopt_step_checkpoints, checkpoint_step, newest_checkpoint, step_checkpoint_path
+from bnlit.checkpointing import adopt_step_checkpoints, newest_step, step_checkpoint_path
 from bnlit.interrupt import Interrupted, SignalLatch, agree, requeue_slurm_job, signal_number
 
 log = logging.getLogger("bnlit")
@@ -86,8 +86,8 @@ class InterruptCheckpoint(L.Callback):
         self.latch.restore()
         if not signum or self._stop is not None:
             return
-        path = newest_checkpoint(self.dirpath)
-        if path is None or checkpoint_step(path) != trainer.global_step:  # the last steps are not saved yet
+        step, path = newest_step(self.dirpath)
+        if path is None or step != trainer.global_step:  # the last steps are not saved yet
             path = step_checkpoint_path(trainer.checkpoint_callback, self.dirpath, trainer.global_step,
                                         trainer.current_epoch)
             trainer.save_checkpoint(path)

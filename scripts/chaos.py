@@ -253,10 +253,9 @@ def judge(a: Attempt, watch: Watch) -> None:
 def resumes_from(run_dir: Path) -> int:
     """The step ``ckpt_path=last`` resumes from: that of the newest complete checkpoint (0: none)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from bnlit.checkpointing import checkpoint_step, newest_checkpoint
+    from bnlit.checkpointing import newest_step
 
-    path = newest_checkpoint(run_dir / "checkpoints")
-    return (checkpoint_step(path) or 0) if path is not None else 0
+    return newest_step(run_dir / "checkpoints")[0]
 
 
 def resume_next(a: Attempt, run_dir: Path) -> bool:
