@@ -105,9 +105,11 @@ class GradientFlowArbiter(Callback):
         t0, sentinel, state = time.perf_counter(), self.settings.sentinel, self.state
         logging_step = step % max(1, trainer.log_every_n_steps) == 0
         # a step the NaN guard skips on the device (fused AdamW's found_inf) is the guard's to report
-        norm = state.sentinel.observe(pl_module.named_parameters(), step, _found_inf(trainer)) if sentinel else None
+        # sharded: one all-reduce of the shards' squared norms, so norms and verdicts are the full parameters'
+        reduce = self._reduce(trainer) if state.sharded else None
+        norm = state.sentinel.observe(pl_module.named_parameters(), step, _found_inf(trainer), reduce) if sentinel else None
         if logging_step:
-            norm = norm if sentinel else gf.total_grad_norm(pl_module.named_parameters())
+            norm = norm if sentinel else gf.total_grad_norm(pl_module.named_parameters(), reduce)
             if norm is not None:
                 pl_module.log("grad/norm", norm, on_step=True, on_epoch=False)
         if not sentinel:

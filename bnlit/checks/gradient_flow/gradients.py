@@ -14,7 +14,8 @@ import torch
 import torch.nn as nn
 from lightning_utilities.core.apply_func import apply_to_collection
 
-from bnlit.checks.gradient_flow.params import NamedParameters, Reduce, _classify, _local, _norms, _reduce, allowed, unique_trainable
+from bnlit.checks.gradient_flow.params import (NamedParameters, Reduce, _classify, _local, _norms, _reduce, allowed, shard_layout,
+                                               unique_trainable)
 
 VANISHING_FACTOR = 1e6  # see GradientFlowReport: healthy spreads measured in docs/gradient-flow.md stay below 1e3
 DEAD_ROW_SHARE = 0.5
@@ -34,7 +35,8 @@ def embedding_row_exempt(module: nn.Module, batches: Sequence) -> dict[str, torc
     dead-rows check -- tokens absent from ``batches`` (those rows get exactly zero gradient by
     design) and the padding row. The present tokens are the values of the batches' integer
     tensors (inputs, targets, masks: a superset of what reached the embedding, which only makes
-    the check more lenient). ``None``: no integer tensor, exempt the whole table."""
+    the check more lenient). ``None``: no integer tensor, exempt the whole table. Under FSDP the
+    mask covers the whole (global) table; :func:`gradient_flow_report` takes each shard's rows."""
     tables = {id(m.weight): m for m in module.modules() if isinstance(m, nn.Embedding)}
     if not tables:
         return {}
@@ -44,7 +46,7 @@ def embedding_row_exempt(module: nn.Module, batches: Sequence) -> dict[str, torc
         m = tables.get(id(p))
         if m is None or name in out:
             continue
-        if not ids or hasattr(p, "to_local"):
+        if not ids:
             out[name] = None
             continue
         present = torch.zeros(m.num_embeddings, dtype=torch.bool, device=p.device)
@@ -73,7 +75,8 @@ class GradientFlowReport:
 
     ``dead_rows``: ``{name: share}`` for a matrix (``ndim >= 2``) in which ``dead_row_share``
     (50%) or more of its output rows (dim 0) get exactly zero gradient; rows of embedding tables
-    for tokens absent from the batch are not counted (``row_exempt``).
+    for tokens absent from the batch are not counted (``row_exempt``); ``dead_row_ranges`` names
+    the dead rows by global index (under FSDP too), as ``[first, last]`` runs.
     """
 
     names: list[str]
@@ -89,6 +92,7 @@ class GradientFlowReport:
     vanishing_factor: float = VANISHING_FACTOR
     dead_row_share: float = DEAD_ROW_SHARE
     dead_row_counts: dict[str, list[int]] = field(default_factory=dict)  # {name: [zero rows, counted rows]}
+    dead_row_ranges: dict[str, list[list[int]]] = field(default_factory=dict)  # {name: [[first, last] global row]}
     weight_norms: dict[str, float] = field(default_factory=dict)
     tied: dict[str, str] = field(default_factory=dict)
     frozen: list[str] = field(default_factory=list)
@@ -129,7 +133,7 @@ class GradientFlowReport:
             zero_rows, rows = self.dead_row_counts[n]
             out.append(dict(category="dead_rows", parameter=n, figure=share, threshold=self.dead_row_share, message=(
                 f"dead rows: {zero_rows} of its {rows} output rows ({share:.0%}) got exactly zero gradient "
-                f"(threshold {self.dead_row_share:.0%})")))
+                f"(threshold {self.dead_row_share:.0%}): rows {_ranges_text(self.dead_row_ranges[n])}")))
         order = {n: i for i, n in enumerate(self.names)}
         return sorted(out, key=lambda f: order.get(f["parameter"], len(order)))
 
@@ -145,15 +149,32 @@ class GradientFlowReport:
                 "findings": self.findings(), "problems": self.problems()}
 
 
-def _dead_rows(g: torch.Tensor, exempt: torch.Tensor | None) -> torch.Tensor:
-    """``[rows with an exactly zero gradient, rows counted]`` of a matrix's gradient (device, fp64)."""
+def _dead_rows(g: torch.Tensor, exempt: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of a matrix's gradient that are exactly zero and not exempt (a bool mask), and
+    how many rows are counted (a 0-d tensor)."""
     dead = ~g.reshape(g.shape[0], -1).ne(0).any(1)
     if exempt is not None:
         dead &= ~exempt
         counted = exempt.numel() - exempt.sum()
     else:
         counted = torch.tensor(g.shape[0], device=g.device)
-    return torch.stack([dead.sum(), counted]).double()
+    return dead, counted
+
+
+def row_ranges(rows: Sequence[int]) -> list[list[int]]:
+    """Sorted row indices as ``[[first, last], ...]`` runs of consecutive rows."""
+    out: list[list[int]] = []
+    for r in rows:
+        if out and r == out[-1][1] + 1:
+            out[-1][1] = r
+        else:
+            out.append([r, r])
+    return out
+
+
+def _ranges_text(ranges: Sequence[Sequence[int]], most: int = 8) -> str:
+    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in ranges[:most])
+    return text + (f" and {len(ranges) - most} more runs" if len(ranges) > most else "")
 
 
 def gradient_flow_report(
@@ -166,21 +187,24 @@ def gradient_flow_report(
 
     Call after backward (and after AMP unscaling). Frozen parameters are skipped and a tensor
     shared under several names (tied embeddings) is checked once. Two host syncs (three with
-    ``reduce``).
+    ``reduce``) and, with ``reduce``, one collective: the per-parameter table and the dead-row
+    flags of every matrix, all-reduced together.
 
     Args:
         named_parameters: e.g. ``model.named_parameters()``.
         reduce: all-reduce across ranks. Under DDP (``sharded=False``, gradients already
             averaged) a fault on any rank is a fault; under FSDP a parameter is zero only if all
             of its non-empty shards are.
-        sharded: parameters are sharded across ranks (FSDP); check local shards. Embedding
-            tables are then left out of the dead-rows check (their shards' rows are not mapped
-            to tokens).
+        sharded: parameters are FSDP2 ``DTensor`` shards of dim 0 (FSDP, or HSDP: replicated
+            over the mesh's other dim). Every verdict is then on the full parameter: squared norms
+            are summed over the shards (each counted once: a sum over replicas is divided by their
+            number), dead rows are counted and named by global row index (a local shard's rows
+            are a contiguous block, at the offset its placement gives), embedding tables included.
         world_size: number of ranks, for the messages.
         vanishing_factor: flag a gradient-to-weight norm ratio this many times below the median.
         dead_row_share: flag a matrix with at least this share of exactly-zero gradient rows.
-        row_exempt: ``{name: bool mask of rows not to count, or None for the whole tensor}``
-            (:func:`embedding_row_exempt`).
+        row_exempt: ``{name: bool mask of rows not to count (global rows), or None for the whole
+            tensor}`` (:func:`embedding_row_exempt`).
         allow: ``{category: [fnmatch patterns]}`` of parameters exempt from ``vanishing`` and
             ``dead_rows``.
     """
@@ -191,7 +215,15 @@ def gradient_flow_report(
                                 vanishing_factor=vanishing_factor, dead_row_share=dead_row_share)
     if not params:
         return report
-    device = params[0][1].device
+    device = _local(params[0][1]).device
+    dtype = torch.float64 if device.type != "mps" else torch.float32
+    layout = [shard_layout(p) for _, p in params]  # (row offset of the local shard, replicas)
+    # every matrix's global rows get a slot in one flag vector, reduced with the table (one collective)
+    row_base, total_rows = [], 0
+    for _, p in params:
+        row_base.append(total_rows)
+        total_rows += p.shape[0] if p.ndim >= 2 else 0
+    dead_flags = torch.zeros(total_rows, dtype=dtype, device=device)
     # columns: holds a shard, grad is None, non-finite, all zero, squared L2 norm of the gradient
     # (finite only), squared L2 norm of the weight, rows with a zero gradient, rows counted
     rows = [[0.0] * 8 for _ in params]
@@ -210,20 +242,29 @@ def gradient_flow_report(
         extra = torch.zeros(len(with_grad), 3, dtype=torch.float64, device=device)
         extra[:, 0] = w2.double()
         for j, ((i, g), bad, z) in enumerate(zip(with_grad, nonfinite, zero)):
-            name = names[i]
+            name, p = params[i]
             exempt = row_exempt.get(name, False)
-            if (bad or z or g.ndim < 2 or g.shape[0] < 2 or allowed(name, allow.get("dead_rows"))
-                    or exempt is None or (sharded and name in row_exempt)):
+            # a zero shard of a sharded parameter is all dead rows unless every shard is zero
+            if (bad or (z and not sharded) or p.ndim < 2 or p.shape[0] < 2 or allowed(name, allow.get("dead_rows"))
+                    or exempt is None):
                 continue
-            extra[j, 1:] = _dead_rows(g, exempt if isinstance(exempt, torch.Tensor) else None).to(device)
+            start = layout[i][0]
+            if isinstance(exempt, torch.Tensor):
+                exempt = exempt[start:start + g.shape[0]].to(g.device)
+            dead, counted = _dead_rows(g, exempt if isinstance(exempt, torch.Tensor) else None)
+            dead_flags[row_base[i] + start:row_base[i] + start + g.shape[0]] = dead.to(device, dtype)
+            extra[j, 1:] = torch.stack([dead.sum(), counted]).to(device, torch.float64)
         extra = extra.cpu().tolist()
         for (i, _), n, bad, z, (wn, dead, counted) in zip(with_grad, l2, nonfinite, zero, extra):
             rows[i][2:8] = [float(bad), float(z), 0.0 if bad else n * n, wn * wn, dead, counted]
-    stats = torch.tensor(rows, dtype=torch.float64 if device.type != "mps" else torch.float32, device=device)
-    stats = _reduce(stats, reduce, "sum").cpu().tolist()
+    table = torch.tensor(rows, dtype=dtype, device=device)
+    reduced = _reduce(torch.cat([table.reshape(-1), dead_flags]), reduce, "sum").cpu()
+    stats = reduced[:table.numel()].reshape(table.shape).tolist()
+    dead_flags = reduced[table.numel():] > 0
 
-    divide = 1 if sharded else max(1, world_size)  # DDP ranks hold the same averaged gradient
-    for name, (held, missing, nonfinite, zero, gsq, wsq, dead, counted) in zip(names, stats):
+    for i, (name, (held, missing, nonfinite, zero, gsq, wsq, dead, counted)) in enumerate(zip(names, stats)):
+        # DDP ranks hold the same averaged gradient; FSDP ranks one shard each, HSDP replicas the same shard
+        divide = layout[i][1] if sharded else max(1, world_size)
         if held == 0:
             report.norms[name] = 0.0
             continue
@@ -243,7 +284,9 @@ def gradient_flow_report(
             report.grad_to_weight[name] = math.sqrt(gsq / wsq)
         if counted > 0 and not bad and name not in report.zero and dead / counted >= dead_row_share:
             report.dead_rows[name] = dead / counted
-            report.dead_row_counts[name] = [int(dead / divide), int(counted / divide)]
+            report.dead_row_counts[name] = [round(dead / divide), round(counted / divide)]
+            flags = dead_flags[row_base[i]:row_base[i] + params[i][1].shape[0]]
+            report.dead_row_ranges[name] = row_ranges(flags.nonzero().flatten().tolist())
     peers = [r for n, r in report.grad_to_weight.items() if n not in report.zero]
     report.vanishing_peers = len(peers)
     if len(peers) >= 3:

@@ -29,6 +29,20 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def shard_layout(t: torch.Tensor) -> tuple[int, int]:
+    """``(offset, replicas)`` of a (possibly FSDP2 ``DTensor``) tensor's local part: the global
+    index of its first row (dim 0), and how many ranks hold a copy of it (the product of the mesh
+    dims it is replicated over: the nodes under HSDP). A plain tensor: ``(0, 1)``."""
+    if not hasattr(t, "device_mesh"):
+        return 0, 1
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh, placements = t.device_mesh, t.placements
+    _, offset = compute_local_shape_and_global_offset(t.shape, mesh, placements)
+    replicas = math.prod(mesh.size(d) for d, pl in enumerate(placements) if pl.is_replicate())
+    return (int(offset[0]) if len(offset) else 0), replicas
+
+
 def unique_trainable(named_parameters: NamedParameters) -> tuple[list[tuple[str, torch.Tensor]], dict[str, str], list[str]]:
     """Split ``named_parameters`` into the trainable parameters (each tensor once, under its first
     name), the aliases of tied tensors (``{alias: kept name}``) and the frozen names."""
