@@ -12,19 +12,22 @@ from pathlib import Path
 TESTS = Path(__file__).parent
 
 
-def run_two_ranks(worker: str, tmp_path: Path, timeout: float) -> tuple[subprocess.CompletedProcess, list[str | None]]:
-    """Run ``worker`` (Python source) on 2 local ranks with ``argv = [tmp_path, tests dir]``; each
-    rank writes ``rank<r>.txt`` in ``tmp_path``. Returns the process and what each rank wrote."""
+def run_two_ranks(worker: str, tmp_path: Path, timeout: float, nproc: int = 2,
+                  args: tuple[str, ...] = ()) -> tuple[subprocess.CompletedProcess, list[str | None]]:
+    """Run ``worker`` (Python source) on 2 (``nproc``) local ranks with ``argv = [tmp_path, tests
+    dir, *args]``; each rank writes ``rank<r>.txt`` in ``tmp_path``. Returns the process and what
+    each rank wrote."""
     script = tmp_path / "worker.py"
     script.write_text(worker)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS / "checks"), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-                           f"--master-port={port}", str(script), str(tmp_path), str(TESTS)],
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+                           f"--master-port={port}", str(script), str(tmp_path), str(TESTS), *args],
                           env=env, capture_output=True, text=True, timeout=timeout)
-    msgs = [(tmp_path / f"rank{r}.txt").read_text() if (tmp_path / f"rank{r}.txt").exists() else None for r in (0, 1)]
+    msgs = [(tmp_path / f"rank{r}.txt").read_text() if (tmp_path / f"rank{r}.txt").exists() else None
+            for r in range(nproc)]
     return proc, msgs
 
 

@@ -65,8 +65,9 @@ from bnlit.checks.gradient_flow.gradients import (
     embedding_row_exempt,
     gradient_flow_report,
     integer_tensors,
+    row_ranges,
 )
-from bnlit.checks.gradient_flow.params import INF, NamedParameters, Reduce, allowed, unique_trainable
+from bnlit.checks.gradient_flow.params import INF, NamedParameters, Reduce, allowed, shard_layout, unique_trainable
 from bnlit.checks.gradient_flow.parity import (
     FLOOR_FACTOR,
     ParityReport,
@@ -105,6 +106,6 @@ __all__ = [
     "UpdateFlowReport", "allowed", "compare_gradients", "eager_fp32", "embedding_row_exempt", "failure_report",
     "fast_path_parity", "flash_rounded_attention", "floor_tolerances", "full_check", "gradient_flow_report", "ignore_outside", "integer_tensors",
     "membership_verdict", "param_group_report", "parity_alarm_hint", "parity_probe", "probe_gradients",
-    "reference_context", "rounded", "sentinel_findings", "slice_batch", "snapshot_parameters", "total_grad_norm",
+    "reference_context", "rounded", "row_ranges", "sentinel_findings", "shard_layout", "slice_batch", "snapshot_parameters", "total_grad_norm",
     "unique_trainable", "update_flow_report",
 ]
