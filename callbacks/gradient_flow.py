@@ -72,7 +72,10 @@ class GradientFlowArbiter(Callback):
         self._batches.clear()
         ids = {id(p) for opt in trainer.optimizers for g in opt.param_groups for p in g["params"]}
         self._grouped = [(n, p) for n, p in pl_module.named_parameters() if id(p) in ids]
-        if self.settings.fast_path_parity and not callable(getattr(pl_module, gf.PROBE_HOOK, None)) \
+        if self.settings.fast_path_parity and self.state.sharded and trainer.is_global_zero:
+            log.info("fast-path parity: skipped under FSDP/HSDP, its parameters are cast inside FSDP2's hooks "
+                     "(no eager fp32 reference; see docs/gradient-flow.md, 'Under FSDP and HSDP')")
+        elif self.settings.fast_path_parity and not callable(getattr(pl_module, gf.PROBE_HOOK, None)) \
                 and trainer.is_global_zero:
             log.info("fast-path parity: skipped, %s has no %s(batch) -> loss hook "
                      "(see docs/gradient-flow.md)", type(pl_module).__name__, gf.PROBE_HOOK)

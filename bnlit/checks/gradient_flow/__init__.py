@@ -28,8 +28,10 @@ them and what to do with a failure), one job per module:
 
 All of them accept ``reduce(tensor, op) -> tensor`` (``op`` in ``"sum" | "min" | "max"``; an
 all-reduce across ranks) so every rank reaches the same verdict, and the distributed callers fail
-together instead of leaving one rank waiting in a collective. ``sharded=True`` (FSDP) means each
-rank holds a shard of a parameter: a parameter is zero only when every shard is.
+together instead of leaving one rank waiting in a collective. ``sharded=True`` (FSDP/HSDP) means each
+rank holds a dim-0 shard of a parameter: the verdicts are the full parameter's (squared norms
+summed over shards, each once; zero only when every shard is; dead rows by global row index), from
+one collective per check. The parity probe does not run sharded (docs/gradient-flow.md).
 
 The exactness matters: one fused L2-norm pass finds the candidates, and a candidate is called zero
 or non-finite only after an exact re-check -- the fp32 L2 norm underflows to 0 for gradients around

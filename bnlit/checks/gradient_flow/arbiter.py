@@ -44,7 +44,7 @@ class ArbiterSettings:
     fast_path_parity: compare the configured fast path (precision plugin's autocast, compiled
         model, fused kernels) with the eager fp32 reference on the first check step's batch,
         through ``pl_module.loss_for_batch(batch) -> scalar loss``; a module without that hook
-        gets the probe skipped with one log line.
+        gets the probe skipped with one log line, and so does a sharded (FSDP/HSDP) run.
     parity_every_n_steps: repeat the parity check this often (None: first check only; it costs
         two extra forward/backward passes of the probe batch).
     min_cosine, max_rel_norm_error: per-parameter parity tolerances.
@@ -254,5 +254,5 @@ class ArbiterState:
     def parity_due(self, step: int) -> bool:
         s = self.settings
         if not s.fast_path_parity or self.sharded:
-            return False  # FSDP: the eager reference would need the whole unsharded model
+            return False  # FSDP/HSDP: no eager fp32 reference (docs/gradient-flow.md, "Under FSDP and HSDP")
         return not self.parity_done or (s.parity_every_n_steps is not None and step % s.parity_every_n_steps == 0)
