@@ -4,7 +4,7 @@ the embedding table, across the shard boundary) are each named by the full check
 exactly as on the unsharded model, with the dead rows' global indices; a healthy sharded model
 has 0 findings; each check is one collective. FSDP on 2 ranks, HSDP on a 2 x 2 mesh (replicated x
 sharded) of 4 ranks. The vocabulary (97) does not divide by the shards: rank 0 holds 49 rows, the
-last rank 48 and a padded shard."""
+last rank 48 and a padded shard; a one-row parameter leaves the last rank an empty shard."""
 
 from __future__ import annotations
 
@@ -93,6 +93,21 @@ WORKER = textwrap.dedent(f'''
     sentinel.observe(model.named_parameters(), 2, reduce=reduce)
     out["sentinel_planted"] = sentinel.findings()
     out["dead_embedding"] = dead_embedding
+
+    # one row on several shards: the last rank holds an empty shard and still joins every collective
+    from torch.distributed.fsdp import fully_shard
+    lone = torch.nn.Linear(8, 1, bias=False)
+    fully_shard(lone, mesh=mesh)
+    lone(torch.ones(2, 8)).sum().backward()
+    out["lone_rows"] = lone.weight.to_local().shape[0]
+    lone_sentinel = GradientSentinel(sharded=True)
+    for step in (1, 2):
+        if step == 2:
+            lone.weight.grad.to_local().zero_()
+        r = gradient_flow_report(lone.named_parameters(), reduce=reduce, sharded=True, world_size=world)
+        lone_sentinel.observe(lone.named_parameters(), step, reduce=reduce)
+        out[f"lone_{{step}}"] = dict(findings=[[f["category"], f["parameter"]] for f in r.findings()],
+                                     norm=r.norms["weight"], sentinel=lone_sentinel.findings())
     (Path(sys.argv[1]) / f"rank{{rank}}.txt").write_text(json.dumps(out))
     dist.destroy_process_group()
 ''')
@@ -139,6 +154,12 @@ def check_sharded_arbiter(tmp_path, mode: str, nproc: int) -> None:
     torch.testing.assert_close(planted["norms"], reference["norms"], rtol=1e-5, atol=1e-7)
     # the sentinel judges the full parameters too: the zero and the vanishing gradient, at step 2
     assert got["sentinel_planted"] == {ZERO: ["zero", 2], VANISHING: ["vanishing", 2]}
+
+    # an empty shard: a healthy one-row parameter passes with its full norm, a zeroed one is named
+    assert [o["lone_rows"] for o in outs] == [1, 0] * (nproc // 2)  # shards of 2 ranks (HSDP: per replica)
+    assert got["lone_1"]["findings"] == [] and got["lone_1"]["sentinel"] == {}
+    assert got["lone_1"]["norm"] == pytest.approx(2 * 8 ** 0.5)  # d(sum of 2 rows of ones @ w) / dw = 2
+    assert got["lone_2"]["findings"] == [["zero", "weight"]] and got["lone_2"]["sentinel"] == {"weight": ["zero", 2]}
 
 
 def test_row_ranges_are_runs_of_consecutive_rows():
