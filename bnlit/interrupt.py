@@ -95,8 +95,12 @@ class SignalLatch:
         self.outer: dict[int, Any] = {}
 
     def remember_outer(self) -> None:
-        """Record the handlers of the program around the trainer (call before Lightning installs its own)."""
-        self.outer = {s: signal.getsignal(s) for s in self.signums}
+        """Record the handlers of the program around the trainer (call before Lightning installs its own);
+        bnlit's own :class:`StopAtOnce` is seen through, to the handler it replaced (submitit's)."""
+        def outer(s: int) -> Any:
+            h = signal.getsignal(s)
+            return h.replaced.get(s) if isinstance(h, StopAtOnce) else h
+        self.outer = {s: outer(s) for s in self.signums}
 
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -146,12 +150,15 @@ class StopAtOnce:
         self.signums = [signal_number(s) for s in signals]
         self.requeue = {signal_number(s) for s in requeue_signals}
         self.newest = newest
+        self.replaced: dict[int, Any] = {}
 
     def install(self) -> dict[int, Any]:
-        """Install for every stop signal; the handlers it replaced (for :func:`restore_handlers`)."""
+        """Install for every stop signal; the handlers it replaced (for :func:`restore_handlers`, and
+        for :meth:`SignalLatch.remember_outer`, which chains to them)."""
         if threading.current_thread() is not threading.main_thread():
             return {}
-        return {s: signal.signal(s, self) for s in self.signums}
+        self.replaced = {s: signal.signal(s, self) for s in self.signums}
+        return dict(self.replaced)
 
     def __call__(self, signum: int, frame: Any) -> None:
         for s in self.signums:  # a second signal while this one unwinds stops the process outright

@@ -290,6 +290,29 @@ def test_outside_training_a_signal_stops_at_once_naming_the_newest_checkpoint(tm
             signal.signal(s, h)
 
 
+def test_the_latch_chains_to_the_programs_handler_under_stop_at_once():
+    """submitit installs its checkpoint-and-requeue handler before bnlit starts; ``bnlit.train``'s
+    StopAtOnce replaces it for the whole run; the training loop's latch must still hand the signal
+    to submitit's handler once the step's checkpoint is written (the SLURM time-limit test saw
+    submitit's handler skipped and the job requeued by ``scontrol`` instead)."""
+    called = []
+    before = signal.getsignal(signal.SIGUSR2)
+    try:
+        signal.signal(signal.SIGUSR2, lambda signum, frame: called.append(signum))  # submitit's
+        stop = StopAtOnce(["SIGUSR2"], lambda: (0, None))
+        stop.install()
+        latch = SignalLatch(["SIGUSR2"])
+        latch.remember_outer()
+        latch.install()
+        os.kill(os.getpid(), signal.SIGUSR2)
+        assert latch.received == signal.SIGUSR2 and not called  # the step is finished and saved first
+        assert latch.chain() is True and called == [signal.SIGUSR2]
+        latch.restore()
+        assert signal.getsignal(signal.SIGUSR2) is stop
+    finally:
+        signal.signal(signal.SIGUSR2, before)
+
+
 def sigterm_on(run: Path, marker: str, *overrides: str) -> tuple[int, str]:
     """Start ``python -m bnlit.train`` and send it SIGTERM from outside when ``marker`` appears in
     its output (stderr and stdout together): the exit code and the whole output."""
