@@ -111,6 +111,14 @@ def newest_step(checkpoint_dir: Path) -> tuple[int, Path | None]:
     return steps[path], path
 
 
+def earlier_checkpoint(checkpoint_dir: Path) -> str:
+    """What a failed save left to resume from, for its error line: the newest complete checkpoint, or none."""
+    step, path = newest_step(checkpoint_dir)
+    if path is None:
+        return "no earlier checkpoint exists: a rerun starts from step 0"
+    return f"the newest earlier checkpoint, {path.name} at step {step}, is intact"
+
+
 def remove_partial_writes(checkpoint_dir: Path) -> list[Path]:
     """Delete the temporary files of checkpoint writes that were killed; return what was removed."""
     if not checkpoint_dir.is_dir():
@@ -223,7 +231,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                     errno.EFBIG: "raise this process's file-size limit (ulimit -f) or lower the model's size",
                     }.get(e.errno, "check the directory")
             raise CheckpointError(f"cannot write checkpoint {path}: {e.strerror or e}; {hint} "
-                                  "(the previous checkpoint is intact)") from None
+                                  f"({earlier_checkpoint(path.parent)})") from None
         _fsync_dir(path.parent)
         # serialised, written and synced (scripts/gpu_check.py reads this line)
         log.info("checkpoint: saved %s (%.2f GiB) in %.1f s at step %s", path.name, path.stat().st_size / 2**30,
@@ -264,7 +272,7 @@ class ShardedWriter:
         self.async_save = async_save
         self.group = None  # the gloo group the background writes use
         self.pending: Any = None  # this rank's future of the save in flight
-        self.error: BaseException | None = None
+        self.error: tuple[BaseException, Path] | None = None  # a failed save and its path
         self.last: tuple[int, Path] | None = None  # (step, path) of the newest save
         self.blocked_s: list[float] = []  # how long each save held the caller (scripts/bench.py)
         self._lock = threading.Lock()
@@ -314,7 +322,7 @@ class ShardedWriter:
             future.result()
             finish()
         except BaseException as e:  # noqa: BLE001 - surfaced by wait()
-            self.error = e
+            self.error = (e, path)
         finally:
             self._after(path)
 
@@ -349,9 +357,9 @@ class ShardedWriter:
                     break
             time.sleep(0.005)
         if self.error is not None:
-            e, self.error = self.error, None
+            (e, path), self.error = self.error, None
             raise CheckpointError(f"sharded checkpoint save failed ({type(e).__name__}: "
-                                  f"{(str(e).strip().splitlines() or [''])[0][:160]}); the previous checkpoint is intact") from e
+                                  f"{(str(e).strip().splitlines() or [''])[0][:160]}); {earlier_checkpoint(path.parent)}") from e
 
 
 def _finish_sharded(tmp: Path, path: Path, meta: bytes) -> None:

@@ -128,12 +128,18 @@ class FullDisk(AtomicCheckpointIO):
         raise OSError(errno.ENOSPC, "No space left on device")
 
 
+def test_a_failed_first_save_says_there_is_no_earlier_checkpoint(tmp_path):
+    with pytest.raises(CheckpointError, match=r"\(no earlier checkpoint exists: a rerun starts from step 0\)$"):
+        FullDisk().save_checkpoint({"global_step": 2, "w": torch.zeros(2)}, tmp_path / "checkpoints" / "step0000002.ckpt")
+    assert list((tmp_path / "checkpoints").iterdir()) == []
+
+
 def test_failed_save_leaves_the_previous_checkpoint_intact(tmp_path):
     path = tmp_path / "checkpoints" / "last.ckpt"
     AtomicCheckpointIO().save_checkpoint({"global_step": 3, "w": torch.ones(2)}, path)
     before = path.read_bytes()
     with pytest.raises(CheckpointError, match=r"cannot write checkpoint .*last.ckpt: No space left on device; "
-                                              r"free disk space .*\(the previous checkpoint is intact\)"):
+                                              r"free disk space .*\(the newest earlier checkpoint, last.ckpt at step 3, is intact\)"):
         FullDisk().save_checkpoint({"global_step": 6, "w": torch.zeros(2)}, path)
     assert path.read_bytes() == before
     assert sorted(p.name for p in path.parent.iterdir()) == ["last.ckpt"]  # no temp file left

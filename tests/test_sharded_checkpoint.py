@@ -92,7 +92,7 @@ def test_a_failed_write_leaves_the_previous_checkpoint(group, tmp_path, monkeypa
 
     monkeypatch.setattr(FileSystemWriter, "write_data", full_disk)
     save(writer, tmp_path / "step0000004.ckpt", 4, torch.ones(4))
-    with pytest.raises(CheckpointError, match="sharded checkpoint save failed .*; the previous checkpoint is intact"):
+    with pytest.raises(CheckpointError, match="sharded checkpoint save failed .*; the newest earlier checkpoint, step0000002.ckpt at step 2, is intact"):
         writer.wait()
     assert not (tmp_path / "step0000004.ckpt").exists()
     assert newest_checkpoint(tmp_path) == tmp_path / "step0000002.ckpt"
