@@ -43,6 +43,7 @@ import hashlib
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -339,12 +340,44 @@ def _quiet_datatrove(quiet: bool) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _lock(plan: Plan) -> Iterator[None]:
-    """One builder of a plan at a time on this machine; a second waits, then finds it done."""
+    """One builder of a plan at a time on this machine; a second waits, then finds it done.
+
+    A POSIX record lock (``lockf``), not ``flock``: it belongs to this process, so it goes when
+    this process dies, even if a process it forked lives on. A ``flock`` is shared with every
+    forked child: datatrove's ``multiprocess.Manager`` server outlived a builder killed with
+    SIGKILL and held the lock, and every later run of the plan waited for it forever."""
     path = plan.cache_dir / "locks" / f"{plan.work_key}.lock"
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+        fcntl.lockf(f, fcntl.LOCK_EX)
         yield
+
+
+_BUILDER: list[int] = []  # the pid of this process while run_local builds
+
+
+def _end_with_the_builder() -> None:
+    """In a process forked during a build (datatrove's ``Manager`` server and pool workers):
+    end when the builder ends, by SIGKILL too; the server otherwise serves forever, orphaned."""
+    if not _BUILDER or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != _BUILDER[0]:  # the builder died before the line above
+        os._exit(1)
+
+
+os.register_at_fork(after_in_child=_end_with_the_builder)
+
+
+@contextlib.contextmanager
+def _ending_with_this_process() -> Iterator[None]:
+    _BUILDER.append(os.getpid())
+    try:
+        yield
+    finally:
+        _BUILDER.pop()
 
 
 def run_local(plan: Plan, workers: int = 1, quiet: bool = False,
@@ -357,7 +390,7 @@ def run_local(plan: Plan, workers: int = 1, quiet: bool = False,
 
     from datatrove.executor.local import LocalPipelineExecutor
 
-    with _lock(plan), _quiet_datatrove(quiet):
+    with _lock(plan), _ending_with_this_process(), _quiet_datatrove(quiet):
         todo = stages(plan)
         prev = None
         timing: dict[str, float] = {}

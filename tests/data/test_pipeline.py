@@ -200,3 +200,61 @@ def test_killed_build_relaunched_redoes_only_unfinished_tasks(one_task, tok_path
     plan = plan_build(tmp_path, planted_corpus(), tok_path, PLANTED_VAL_FRACTION, clean=CleanConfig(), tasks=3,
                       eval_texts=planted_eval())
     assert outputs(plan) == outputs(one_task)  # equal to an uninterrupted run's
+
+
+HOLDER = """
+import os, sys, time
+from types import SimpleNamespace
+from pathlib import Path
+from bnlit.data.pipeline import _ending_with_this_process, _lock
+
+def child():  # like datatrove's Manager server: forked by the builder, serves forever
+    time.sleep(120)
+    os._exit(0)
+
+out = Path({out!r})
+with _lock(SimpleNamespace(cache_dir=out, work_key="k")):
+    pids = []
+    if (pid := os.fork()) == 0:
+        child()
+    pids.append(pid)  # forked holding the lock, outside a build
+    with _ending_with_this_process():
+        if (pid := os.fork()) == 0:
+            child()
+        pids.append(pid)  # forked during a build
+    (out / "pids").write_text(" ".join(map(str, pids)))
+    time.sleep(120)
+"""
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] not in "ZX"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG and /proc are Linux's")
+def test_a_builder_killed_with_sigkill_frees_its_lock_and_ends_its_forked_processes(tmp_path):
+    """The hang chaos.py found: a build killed with SIGKILL left datatrove's Manager server (a
+    forked process) alive, holding the cache lock, and the next run waited for it forever."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER.format(out=str(tmp_path))])
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "pids").exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    outside, inside = map(int, (tmp_path / "pids").read_text().split())
+    try:
+        proc.send_signal(signal.SIGKILL)  # the builder only, not its process group
+        proc.wait()
+        # the next builder gets the lock at once, though `outside` still has the file open
+        take = "from types import SimpleNamespace as N; from bnlit.data.pipeline import _lock\n" \
+               f"with _lock(N(cache_dir=__import__('pathlib').Path({str(tmp_path)!r}), work_key='k')): pass"
+        subprocess.run([sys.executable, "-c", take], timeout=30, check=True)
+        assert alive(outside)
+        while alive(inside) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not alive(inside), "a process forked during the build outlived the builder"
+    finally:
+        for pid in (outside, inside):
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
