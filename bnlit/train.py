@@ -4,8 +4,14 @@ a thin Hydra wrapper that turns :class:`~bnlit.errors.BnlitError` into one line 
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # first: a Ctrl-C during the imports below is held, not lost (the module says why)
+    from bnlit import startup_signals
+
+    startup_signals.hold()
+
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -21,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import bnlit.resolvers  # noqa: F401  (registers ${bnlit.*} resolvers)
 from bnlit import CONF_DIR
-from bnlit import lost_rank, quiet, run_dir
+from bnlit import lost_rank, quiet, run_dir, startup_signals
 from bnlit.checkpointing import newest_checkpoint, newest_step, prepare_resume, remove_partial_writes
 from bnlit.command_line import check_command_line
 from bnlit.errors import BnlitError, ConfigError
@@ -157,8 +163,9 @@ def main() -> None:
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
 def run(cfg: DictConfig) -> float | None:
     stop = stop_at_once(cfg)
-    before = stop.install() if stop is not None else {}
+    before = {}
     try:
+        before = take_over_signals(stop)
         metrics = train(cfg)
         return optimized(metrics, cfg.get("optimized_metric"))
     except Interrupted as e:
@@ -185,6 +192,21 @@ def run(cfg: DictConfig) -> float | None:
         raise
     finally:
         restore_handlers(before)  # a caller's own handlers again (a test, a notebook, a sweep's next job)
+
+
+def take_over_signals(stop: StopAtOnce | None) -> dict:
+    """``stop`` in place of the hold of the imports (:mod:`bnlit.startup_signals`), with the signals
+    blocked in between; a signal held since then is raised again now. The handlers from before
+    the hold, for :func:`~bnlit.interrupt.restore_handlers`."""
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, startup_signals.HELD)
+    try:
+        held = startup_signals.release()
+        before = stop.install() if stop is not None else {}
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    if held is not None:
+        signal.raise_signal(held)  # to StopAtOnce (or, with callbacks.interrupt off, Python's default)
+    return before
 
 
 def stop_if_a_rank_is_lost(e: BaseException, cfg: DictConfig) -> None:
