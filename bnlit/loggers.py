@@ -10,7 +10,9 @@
   the file when a logger opens a directory that holds one, so a resumed run lost every row of the
   run before the interruption. This one keeps them and drops only a row torn by a kill mid-write.
   Steps after the checkpoint are logged again by the resumed run;
-  :func:`bnlit.run_report.read_metrics` keeps the last value of a step.
+  :func:`bnlit.run_report.read_metrics` keeps the last value of a step. A checkpoint carries its
+  own step's row (:func:`checkpointed_row`), which Lightning logs only after the checkpoint is on
+  disk; a run resumed from it writes the row if a kill in between lost it (:func:`restore_checkpointed_row`).
 
 The end-of-run summary, plots and console lines are :mod:`bnlit.run_report`."""
 
@@ -202,6 +204,47 @@ class ResumableExperimentWriter(ExperimentWriter):
             if e.filename:
                 raise
             raise OSError(e.errno, e.strerror or str(e), self.metrics_file_path) from e
+
+
+def checkpointed_row(trainer: L.Trainer) -> dict | None:
+    """The metrics row Lightning will log for this optimizer step, when a checkpoint is saved in
+    ``on_train_batch_end`` (the step's metrics are logged after those hooks, so a kill right after
+    the checkpoint's rename lost the row); None elsewhere or when this step logs nothing. The
+    step and values as ``_LoggerConnector.log_metrics`` computes them."""
+    from lightning.fabric.utilities.apply_func import convert_tensors_to_scalars
+
+    connector = trainer._logger_connector
+    if not trainer.training or connector._first_loop_iter is None or not connector.should_update_logs:
+        return None
+    if trainer.fit_loop._should_accumulate():
+        return None
+    metrics = convert_tensors_to_scalars(dict(connector.metrics["log"]))
+    if not metrics:
+        return None
+    step = metrics.pop("step", None)
+    if step is None:
+        metrics.setdefault("epoch", trainer.current_epoch)
+        step = trainer.fit_loop.epoch_loop._batches_that_stepped
+    return {"step": int(step), "metrics": metrics}
+
+
+def restore_checkpointed_row(trainer: L.Trainer, row: dict | None) -> bool:
+    """Write a checkpoint's own step row (:func:`checkpointed_row`) to the CSV logs that lack it;
+    True if one did."""
+    if not row or not trainer.is_global_zero:
+        return False
+    wrote = False
+    for logger in trainer.loggers:
+        if not isinstance(logger, CSVLogger) or logger.experiment is None:
+            continue
+        path = Path(logger.experiment.metrics_file_path)
+        rows = read_whole_rows(path)[1] if path.is_file() else []
+        have = {k for r in rows if r.get("step") == str(row["step"]) for k, v in r.items() if v not in (None, "")}
+        if not set(row["metrics"]) <= have:
+            logger.log_metrics(dict(row["metrics"]), step=row["step"])
+            logger.save()
+            wrote = True
+    return wrote
 
 
 class CSVLogger(_CSVLogger):

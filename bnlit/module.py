@@ -23,7 +23,7 @@ from bnlit.errors import BnlitError
 from bnlit.speed.fast_path import describe_fast_path
 from bnlit.speed.profiling import marked_closure
 from bnlit.loss import IGNORE_INDEX, loss_fn, logits_loss
-from bnlit.loggers import log_metrics
+from bnlit.loggers import checkpointed_row, log_metrics, restore_checkpointed_row
 from bnlit.tokenizer import EOS_ID
 
 log = logging.getLogger("bnlit")
@@ -130,6 +130,7 @@ class LMModule(L.LightningModule):
         self._configured = False
         self.fast_path: str | None = None  # the run's "fast path: ..." line, set at train start
         self.compile_watch: CompileWatch | None = None  # Dynamo's compiles in this process (compile: true)
+        self._checkpointed_row: dict | None = None  # its own step's metrics row, from the checkpoint resumed
         self._batch_step = 0  # the optimizer step the current micro-batch trains in
 
     def configure_model(self) -> None:
@@ -176,6 +177,8 @@ class LMModule(L.LightningModule):
             log.warning("!!! %s", message)
 
     def on_train_start(self) -> None:
+        restore_checkpointed_row(self.trainer, self._checkpointed_row)  # lost to a kill after the save?
+        self._checkpointed_row = None
         self.fast_path = describe_fast_path(self.trainer, self)
         if self.trainer.is_global_zero:
             log.info("%s", self.fast_path)
@@ -312,3 +315,8 @@ class LMModule(L.LightningModule):
             checkpoint["model_config"] = cfg.to_dict()
         # the attention the weights were trained with: scripts/evaluate.py scores with the same
         checkpoint["document_masking"] = self.document_masking
+        if self._trainer is not None and (row := checkpointed_row(self.trainer)) is not None:
+            checkpoint["metrics_row"] = row  # Lightning logs it after the save: a resume restores it if lost
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self._checkpointed_row = checkpoint.get("metrics_row")

@@ -59,7 +59,7 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path, cache_dir):
     resumed = run_cli(run, "ckpt_path=last")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     got = train_losses(run)
-    assert sorted(got) == [3, 4, 5, 6, 7]
+    assert sorted(got) == [2, 3, 4, 5, 6, 7]  # 2: the checkpoint's own row (step 3's), which it carries
     assert {s: expected[s] for s in got} == got  # exact float equality, every later step
 
 
@@ -181,3 +181,31 @@ def test_preload_only_where_the_strategy_reads_through_checkpoint_io():
     assert loads_through_checkpoint_io("auto") and loads_through_checkpoint_io("ddp") and loads_through_checkpoint_io(None)
     assert not loads_through_checkpoint_io(fsdp) and not loads_through_checkpoint_io("fsdp")
     assert not loads_through_checkpoint_io("deepspeed")
+
+
+def test_a_checkpoints_own_metrics_row_lost_to_a_kill_is_written_by_the_resumed_run(make_cfg, tmp_path):
+    """Lightning logs a step's metrics after the ``on_train_batch_end`` hooks that save its
+    checkpoint: a SIGKILL between the rename and that row lost it for good (chaos.py, issue 27).
+    Planted here: the CSV cut back to the rows before the step-2 checkpoint's own row (logged as
+    step 1, the row of the second optimizer step), the checkpoints after it removed."""
+    from bnlit.loggers import read_whole_rows, write_rows
+
+    cfg = make_cfg()  # 4 steps, a checkpoint every 2
+    train(cfg)
+    run = Path(cfg.paths.output_dir)
+    expected = train_losses(run)
+    assert sorted(expected) == [0, 1, 2, 3]
+    ckpts = Path(cfg.paths.checkpoint_dir)
+    assert torch.load(ckpts / "step0000002.ckpt", weights_only=True)["metrics_row"]["step"] == 1
+    for p in ckpts.iterdir():
+        if p.name != "step0000002.ckpt":
+            p.unlink()
+    metrics = run / "csv" / "metrics.csv"
+    header, rows = read_whole_rows(metrics)
+    write_rows(metrics, header, [r for r in rows if int(r["step"]) < 1])
+    assert sorted(train_losses(run)) == [0]
+
+    train(make_cfg("ckpt_path=last", run_dir=run))
+    assert train_losses(run) == expected  # exact floats, the restored row's included
+    rows = read_whole_rows(metrics)[1]
+    assert sum(1 for r in rows if r["step"] == "1" and r.get("train/loss")) == 1  # once
