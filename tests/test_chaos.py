@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow  # about 3 min: 5 runs of the reference and the trials, 2 on a cold cache
+@pytest.mark.slow  # 30-120 s (load average 7): the two reference runs and 3 trials, 2 on a cold cache
 def test_a_short_chaos_run_finds_no_lost_or_corrupt_state(tmp_path):
     out = tmp_path / "chaos"
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "chaos.py"), "--trials", "3", "--seed", "3",
