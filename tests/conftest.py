@@ -35,6 +35,7 @@ TINY = [
     "data.batch_size=4",
     "data.num_proc=1",
     "trainer.precision=32-true",  # trainer=cpu picks bf16-mixed on a CPU with native bf16
+    "module.compile=false",  # hardware=cpu compiles where a C++ compiler is found (~20 s per run)
     # a handful of steps: the default run's lr 2e-2 with warmup-stable-decay is tuned for 900 steps
     "optimizer.lr=3e-3",
     "scheduler=cosine",

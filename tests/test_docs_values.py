@@ -219,7 +219,7 @@ def test_planted_drift_is_caught(tmp_path):
     edit("README.md", "| `tiny` | 64 | 2 |", "| `tiny` | 96 | 2 |")
     edit("docs/configuration.md", "| 395.9M |", "| 395.8M |")
     edit("docs/configuration.md", "| `1b` |", "| `2b` |")
-    edit("docs/getting-started.md", "default (900 steps of 32 x 128", "default (1000 steps of 32 x 128")
+    edit("docs/getting-started.md", "default (1200 steps of 32 x 128", "default (1000 steps of 32 x 128")
     edit("docs/evaluation.md", "128 tokens, lr 2e-2", "128 tokens, lr 3e-3")
     edit("docs/production.md", "= 524,288 tokens", "= 524,287 tokens")
     edit("docs/throughput.md", "micro-batch 16 x 16", "micro-batches of 16 x 16")
@@ -230,7 +230,7 @@ def test_planted_drift_is_caught(tmp_path):
     assert any(p.startswith("docs/configuration.md: the presets table lists") for p in presets)
     assert len(presets) == 3
     quotes = quote_mismatches(tmp_path)
-    assert any(q.startswith("docs/getting-started.md:") and "quotes 1000 where the default config has 900" in q
+    assert any(q.startswith("docs/getting-started.md:") and "quotes 1000 where the default config has 1200" in q
                for q in quotes)
     assert any(q.startswith("docs/evaluation.md:") and "quotes 3e-3 where the default config has 0.02" in q
                for q in quotes)

@@ -1,8 +1,13 @@
-"""The CPU precision the default run picks: bf16 only where the CPU multiplies it natively."""
+"""The CPU precision the default run picks: bf16 only where the CPU multiplies it natively; and
+whether it compiles: only where Inductor finds a C++ compiler."""
 
 from __future__ import annotations
 
-from bnlit.resolvers import cpu_precision
+import shutil
+
+import pytest
+
+from bnlit.resolvers import cpu_compile, cpu_precision
 
 
 def _cpuinfo(tmp_path, flags: str):
@@ -25,3 +30,19 @@ def test_emulated_bf16_cpu_stays_in_fp32(tmp_path):
 def test_cpu_trainer_resolves_to_a_lightning_precision(make_cfg):
     cfg = make_cfg("trainer.precision=${bnlit.cpu_precision:}")
     assert cfg.trainer.precision in ("bf16-mixed", "32-true")
+
+
+def test_cpu_compiles_only_where_a_cxx_compiler_is_found(monkeypatch, tmp_path):
+    # Inductor reads $CXX first: a compiler that is not there must leave the run eager
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-g++"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert cpu_compile() is False
+    monkeypatch.undo()
+    if not (shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")):
+        pytest.skip("machine: no C++ compiler on PATH")
+    assert cpu_compile() is True
+
+
+def test_default_run_compiles_on_cpu_where_it_can(make_cfg):
+    cfg = make_cfg(tiny=False)
+    assert cfg.module.compile is cpu_compile() and cfg.trainer.accelerator == "cpu"
