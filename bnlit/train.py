@@ -36,7 +36,7 @@ from bnlit.loggers import finish_wandb_run, redact, run_tags, sweep_job
 from bnlit.preflight import check_config, instantiate_checked
 from bnlit.run_report import print_report, write_summary
 from bnlit.speed.host_malloc import KEEP_BYTES, keep_freed_memory
-from bnlit.speed.threads import load_average, set_threads
+from bnlit.speed.threads import hold_threads, load_average, set_threads
 from bnlit.storage import is_storage_error, remove_stale_temp_files, storage_message
 
 log = logging.getLogger("bnlit")
@@ -97,6 +97,7 @@ def fit(cfg: DictConfig) -> dict[str, float]:
     for lg in loggers:
         lg.log_hyperparams(redact(OmegaConf.to_container(cfg, resolve=True)))
 
+    hold_threads(threads)
     if cfg.get("validate_at_start") and ckpt_path is None:
         trainer.validate(module, datamodule=datamodule, verbose=False)
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)

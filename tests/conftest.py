@@ -129,3 +129,15 @@ def make_cfg(cache_dir, tmp_path):
         return cfg
 
     return _make
+
+
+@pytest.fixture(autouse=True)
+def _keep_omp_num_threads():
+    """A run in this process sets OMP_NUM_THREADS when it is unset (``bnlit.speed.threads.set_threads``);
+    unset it again, so the processes later tests start choose their own thread count as before."""
+    before = os.environ.get("OMP_NUM_THREADS")
+    yield
+    if before is None:
+        os.environ.pop("OMP_NUM_THREADS", None)
+    else:
+        os.environ["OMP_NUM_THREADS"] = before

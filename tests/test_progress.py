@@ -148,3 +148,32 @@ def test_data_stages_show_progress_and_a_summary(tmp_path, capsys, caplog, monke
 
 def test_human_counts():
     assert [progress.human(x) for x in (999, 4_200_000, 61_500, 2.5e9)] == ["999", "4.2M", "61.5k", "2.5G"]
+
+
+class SetsThreads(L.Callback):
+    """Planted: changes torch's thread count when it is built (as a module's import can), and records
+    the count the fit runs with."""
+
+    seen: list[int] = []  # the counts of every fit, kept on the class: the run builds its own instance
+
+    def __init__(self, n: int):
+        torch.set_num_threads(n)
+
+    def on_train_start(self, trainer, pl_module):
+        SetsThreads.seen.append(torch.get_num_threads())
+
+
+def test_the_runs_thread_count_holds_when_a_callback_changes_it(make_cfg, caplog):
+    from bnlit.train import train
+
+    before = torch.get_num_threads()
+    SetsThreads.seen.clear()
+    cfg = make_cfg("trainer.max_steps=2", "+callbacks.sets_threads._target_=test_progress.SetsThreads",
+                   "+callbacks.sets_threads.n=2")  # TINY pins threads=1
+    caplog.set_level("WARNING", logger="bnlit")
+    try:
+        train(cfg)
+    finally:
+        torch.set_num_threads(before)
+    assert SetsThreads.seen == [1]
+    assert "threads: 1 again (torch was set to 2 " in caplog.text

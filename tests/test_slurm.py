@@ -15,7 +15,6 @@ import sys
 import time
 from pathlib import Path
 
-import lightning as L
 import pytest
 import torch
 
@@ -36,20 +35,7 @@ SLURM = [
 ]
 
 
-PACE = ["+callbacks.pace._target_=test_slurm.Pace"]  # Pace below, as a Hydra override
-
-
-class Pace(L.Callback):
-    """Test-only: slow each step down, so a preemption lands mid-run; with ``first_run_only``
-    a requeued job (``SLURM_RESTART_COUNT`` > 0) runs at full speed."""
-
-    def __init__(self, seconds: float, first_run_only: bool = False):
-        self.seconds = seconds
-        if first_run_only and int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0:
-            self.seconds = 0.0
-
-    def on_train_batch_end(self, *args, **kwargs):
-        time.sleep(self.seconds)
+PACE = ["+callbacks.pace._target_=pace.Pace"]  # tests/pace.py
 
 
 def submit(cluster, sweep_dir: Path, *overrides: str, wandb: bool = False) -> subprocess.Popen:
@@ -85,11 +71,7 @@ def losses(job_dir: Path) -> dict[int, float]:
 @pytest.fixture(scope="module")
 def sweep(slurm_cluster, tmp_path_factory, cache_dir) -> Path:
     sweep_dir = tmp_path_factory.mktemp("sweep") / "multirun"
-    # Pace at 0 s: the requeue test below compares its run with job 0 bit for bit, and the two must have
-    # the same callbacks; under this 2-rank DDP run the gradients of a run with one more callback differ
-    # in the 7th digit from step 0 on (the seconds do not matter; a one-process run is unaffected)
-    proc = submit(slurm_cluster, sweep_dir, f"seed={SEEDS[0]},{SEEDS[1]}", *PACE, "+callbacks.pace.seconds=0",
-                  wandb=True)
+    proc = submit(slurm_cluster, sweep_dir, f"seed={SEEDS[0]},{SEEDS[1]}", wandb=True)
     finish(proc, sweep_dir)
     return sweep_dir
 

@@ -67,5 +67,21 @@ def set_threads(setting: int | str) -> int:
 
     n, why = choose_threads(setting, available_cpus(), load_average())
     torch.set_num_threads(n)
+    # Lightning's DDP launchers set torch's count from the cores per process unless OMP_NUM_THREADS is set
+    os.environ.setdefault("OMP_NUM_THREADS", str(n))
     log.info("threads: %d (%s)", n, why)
     return n
+
+
+def hold_threads(n: int) -> None:
+    """Set torch back to the run's ``n`` threads when something changed the count after
+    :func:`set_threads` chose it, and say so. An import while the callbacks, loggers and trainer are
+    built can call ``torch.set_num_threads`` (a test helper's conftest did: a run with ``threads=1``
+    trained on 2, and its gradients differed in the 7th digit from the same run without it)."""
+    import torch
+
+    now = torch.get_num_threads()
+    if now != n:
+        torch.set_num_threads(n)
+        log.warning("threads: %d again (torch was set to %d while the callbacks, loggers and trainer were built)",
+                    n, now)
