@@ -34,10 +34,14 @@ def test_cpu_trainer_resolves_to_a_lightning_precision(make_cfg):
 
 def test_cpu_compiles_only_where_a_cxx_compiler_is_found(monkeypatch, tmp_path):
     # Inductor reads $CXX first: a compiler that is not there must leave the run eager
+    from torch._inductor.cpp_builder import cpp_compiler_search  # Inductor caches the compiler it found
+
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-g++"))
     monkeypatch.setenv("PATH", str(tmp_path))
+    cpp_compiler_search.cache_clear()  # an earlier compile in this process found one
     assert cpu_compile() is False
     monkeypatch.undo()
+    cpp_compiler_search.cache_clear()
     if not (shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")):
         pytest.skip("machine: no C++ compiler on PATH")
     assert cpu_compile() is True
