@@ -34,8 +34,10 @@ class DeadVocabulary(L.Callback):
         self.sample, self.track_inputs = sample, track_inputs
         self.looked_up: torch.Tensor | None = None
         self.report: dict | None = None
+        self._trainer: L.Trainer | None = None
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._trainer = trainer
         if self.track_inputs and (self.looked_up is None or self.looked_up.device != pl_module.device):
             V = pl_module.model.config.vocab_size
             prev = self.looked_up
@@ -65,7 +67,15 @@ class DeadVocabulary(L.Callback):
         log_table(trainer, "vocab/dead", *dv.dead_vocabulary_table(self.report))
 
     def state_dict(self) -> dict:
-        return {"looked_up": self.looked_up.cpu()} if self.looked_up is not None else {}
+        # Lightning writes rank zero's callback state only: save every rank's lookups (the union), or a
+        # resumed multi-rank run forgets what the other ranks looked up before the checkpoint and
+        # reports more dead pieces than the uninterrupted run (every rank saves: a collective is safe)
+        if self.looked_up is None:
+            return {}
+        looked_up = self.looked_up
+        if self._trainer is not None and self._trainer.world_size > 1:
+            looked_up = self._trainer.strategy.reduce(looked_up.to(torch.int32), reduce_op="sum") > 0
+        return {"looked_up": looked_up.cpu()}
 
     def load_state_dict(self, state: dict) -> None:
         if "looked_up" in state:

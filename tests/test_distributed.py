@@ -4,6 +4,7 @@ one set of checkpoints, one metrics file and one Hydra dir; its checkpoint resum
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -74,8 +75,12 @@ def test_ddp_two_processes_match_one(tmp_path, cache_dir):
     out = run_cli(resumed, "data.batch_size=4", "ckpt_path=last")
     assert out.returncode == 0, out.stderr[-3000:]
     after = metric(resumed, "train/loss")
-    assert sorted(after) == [3, 4, 5]
+    assert sorted(after) == [2, 3, 4, 5]  # step 2's row from the checkpoint (a fresh run dir has none), then 3-5
     assert max(abs(after[s] - ref[s]) for s in after) < 1e-5
+    # the embedding rows looked up in training: the same pieces in all three runs (the checkpoint holds
+    # both ranks' lookups, not rank zero's alone)
+    dead = {r: json.loads((r / "dead_vocabulary.json").read_text())["never_looked_up"]["ids"] for r in (one, two, resumed)}
+    assert dead[two] == dead[one] and dead[resumed] == dead[one], {r.parent.name: len(ids) for r, ids in dead.items()}
 
 
 def compose_with_hydra(*overrides: str):
