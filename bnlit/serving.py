@@ -10,6 +10,7 @@ those of its weights alone.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 from collections.abc import Sequence
@@ -44,12 +45,39 @@ def load_gguf(path: str | os.PathLike, n_ctx: int | None = None, vocab_only: boo
     if vocab_only:  # no weights, but llama.cpp still makes a context: a small one
         n_ctx = n_ctx or 16
     try:
-        llm = llama_cpp.Llama(str(path), n_ctx=n_ctx or 0, n_batch=n_ctx or 512, logits_all=True,
-                              vocab_only=vocab_only, type_k=GGML_TYPE_F32, type_v=GGML_TYPE_F32,
-                              n_threads=n_threads, n_threads_batch=n_threads, verbose=False)
+        with plain_cpu_buffers():
+            llm = llama_cpp.Llama(str(path), n_ctx=n_ctx or 0, n_batch=n_ctx or 512, logits_all=True,
+                                  vocab_only=vocab_only, type_k=GGML_TYPE_F32, type_v=GGML_TYPE_F32,
+                                  n_threads=n_threads, n_threads_batch=n_threads, verbose=False)
     except ValueError as e:  # llama-cpp-python: "Failed to load model from file"
         raise CheckpointError(f"--gguf {path}: llama.cpp could not load it ({e})") from None
     return llm
+
+
+@contextlib.contextmanager
+def plain_cpu_buffers():
+    """``llama_cpp.Llama`` built inside this block loads its weights without llama.cpp's extra
+    buffer types (``use_extra_bufts``: the CPU backend's repacked weight layouts), which
+    llama-cpp-python's constructor does not expose. With them, llama.cpp 0.3.36 (llama-cpp-python
+    0.3.36, built from source here) crashed with a segmentation fault in ``libggml-cpu`` on the
+    first evaluation of a q8_0 file on a CPU with AMX (``amx_int8``); f32, f16 and bf16 files ran,
+    and so did q8_0 with them off. Scoring wants llama.cpp's arithmetic, not its fastest layout."""
+    import llama_cpp.llama as llama_module
+
+    low = llama_module.llama_cpp
+    default = low.llama_model_default_params
+
+    def params():
+        p = default()
+        if hasattr(p, "use_extra_bufts"):  # older llama.cpp: no such field
+            p.use_extra_bufts = False
+        return p
+
+    low.llama_model_default_params = params
+    try:
+        yield
+    finally:
+        low.llama_model_default_params = default
 
 
 def spelling_aliases_of(path: str | os.PathLike) -> dict[int, int]:
