@@ -735,6 +735,23 @@ def ctrl_c_raises() -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+@contextlib.contextmanager
+def warnings_only(names: tuple[str, ...] = ("lightning.pytorch", "lightning.fabric", "bnlit")):
+    """Only warnings from the trainers' loggers while the benchmark runs. Their levels are restored
+    after, so a process that goes on (a notebook, a test session) logs as before: left at WARNING,
+    a later run in the same process wrote no info line to its train.log, and a test of a full disk
+    under train.log then saw the run finish (its xfail inside the whole slow tier)."""
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = _parser().parse_args(argv)
     ctrl_c_raises()
@@ -750,9 +767,8 @@ def main(argv: list[str] | None = None) -> dict:
             print(json.dumps(result))
         return result or {}
     if args.checkpoints:
-        for name in ("lightning.pytorch", "lightning.fabric", "bnlit"):
-            logging.getLogger(name).setLevel(logging.WARNING)
-        result = checkpoint_bench(args.checkpoints.split(","), args.reps)
+        with warnings_only():
+            result = checkpoint_bench(args.checkpoints.split(","), args.reps)
         print(json.dumps(result, indent=2, default=str)) if args.json else print_checkpoints(result)
         return result
     cuda = torch.cuda.is_available() and not args.cpu
@@ -761,11 +777,10 @@ def main(argv: list[str] | None = None) -> dict:
     args.steps = args.steps or (10 if cuda else 40)
     if args.threads:
         torch.set_num_threads(args.threads)
-    for name in ("lightning.pytorch", "lightning.fabric", "bnlit"):
-        logging.getLogger(name).setLevel(logging.WARNING)
     os.environ.setdefault("WANDB_MODE", "disabled")
     # the Trainer prints model summaries to stdout: keep stdout for the result alone
-    with tempfile.TemporaryDirectory(prefix="bnlit_bench_") as tmp, contextlib.redirect_stdout(sys.stderr):
+    with warnings_only(), tempfile.TemporaryDirectory(prefix="bnlit_bench_") as tmp, \
+            contextlib.redirect_stdout(sys.stderr):
         result = cuda_bench(args, Path(tmp)) if cuda else cpu_bench(args, Path(tmp))
     fmt = lambda v, f: "null" if v is None else format(v, f)  # noqa: E731
     if args.json:

@@ -196,8 +196,6 @@ class FillingFile:
 
 
 @pytest.mark.slow  # two short runs (~20 s)
-@pytest.mark.xfail(strict=False, reason="open: passes alone and with its file (6 of 6), but ran to exit 0 inside the whole "
-                   "slow tier in CI on 2026-12-05 (an earlier in-process test's state; not found)")
 def test_run_log_full_during_a_run_is_one_line_and_the_run_resumes(cli, tmp_path, monkeypatch):
     """train.log on a disk that fills mid-run: logging printed "--- Logging error ---" and a
     traceback for every record after it while the run went on; now the first refused record ends
