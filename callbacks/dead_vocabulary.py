@@ -53,9 +53,7 @@ class DeadVocabulary(L.Callback):
         dm = trainer.datamodule
         if dm is None or getattr(dm, "shard_dir", None) is None:
             return
-        looked_up = self.looked_up
-        if looked_up is not None and trainer.world_size > 1:
-            looked_up = trainer.strategy.reduce(looked_up.to(torch.int32), reduce_op="sum") > 0
+        looked_up = self.every_ranks_lookups()
         if not trainer.is_global_zero:
             return
         counts = dv.training_counts(dm)
@@ -70,12 +68,14 @@ class DeadVocabulary(L.Callback):
         # Lightning writes rank zero's callback state only: save every rank's lookups (the union), or a
         # resumed multi-rank run forgets what the other ranks looked up before the checkpoint and
         # reports more dead pieces than the uninterrupted run (every rank saves: a collective is safe)
-        if self.looked_up is None:
-            return {}
-        looked_up = self.looked_up
-        if self._trainer is not None and self._trainer.world_size > 1:
-            looked_up = self._trainer.strategy.reduce(looked_up.to(torch.int32), reduce_op="sum") > 0
-        return {"looked_up": looked_up.cpu()}
+        looked_up = self.every_ranks_lookups()
+        return {"looked_up": looked_up.cpu()} if looked_up is not None else {}
+
+    def every_ranks_lookups(self) -> torch.Tensor | None:
+        """The rows any rank looked up (a collective when there are several ranks: every rank calls it)."""
+        if self.looked_up is None or self._trainer is None or self._trainer.world_size == 1:
+            return self.looked_up
+        return self._trainer.strategy.reduce(self.looked_up.to(torch.int32), reduce_op="sum") > 0
 
     def load_state_dict(self, state: dict) -> None:
         if "looked_up" in state:
