@@ -130,6 +130,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_head * cfg.head_dim, cfg.dim, bias=False)
+        # the kernel of the training/evaluation forward; LMModule sets the one module.sdpa_backend names
+        self.sdpa = F.scaled_dot_product_attention
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | BlockMask | None = None, cache: tuple[KVCache, int] | None = None) -> torch.Tensor:
@@ -145,7 +147,7 @@ class Attention(nn.Module):
         elif isinstance(mask, BlockMask):  # document mask on CUDA (fast only when compiled)
             y = flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
         else:  # mask None: causal; a (B, 1, T, T) boolean tensor: True where attention is allowed
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
+            y = self.sdpa(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 

@@ -96,7 +96,8 @@ class LMModule(L.LightningModule):
         parameter names are kept; under FSDP2 before the blocks are sharded), and watch for
         recompiles (:class:`bnlit.speed.compile.CompileWatch`: a warning with Dynamo's reason).
     fullgraph: require a single graph when compiling.
-    sdpa_backend: CUDA attention kernels (``bnlit.speed.sdpa``): ``auto`` lets PyTorch pick; ignored on CPU.
+    sdpa_backend: attention kernels (``bnlit.speed.sdpa``): ``auto`` lets PyTorch pick; on CPU only
+        ``math`` changes anything (the math kernel instead of CPU flash).
     loss_impl: the output head's loss (``bnlit.loss``): ``plain``, ``chunked`` or ``fused`` (torch's
         ``F.linear_cross_entropy``, fp32 precision only).
     document_masking: attend only within a document of a packed window (``bnlit.document_masking``).
@@ -137,6 +138,8 @@ class LMModule(L.LightningModule):
         device = self.trainer.strategy.root_device if self._trainer is not None else self.device
         self.model.loss_fn = loss_fn(self.loss_impl, device,
                                      str(self.trainer.precision) if self._trainer is not None else None)
+        for layer in self.model.layers:
+            layer.attention.sdpa = sdpa.kernel_fn(self.sdpa_backend, device)
         if device.type == "cuda":
             sdpa.enable(self.sdpa_backend)
             cfg = self.model.config
@@ -233,6 +236,8 @@ class LMModule(L.LightningModule):
         q = torch.empty(x.shape[0], cfg.n_head, x.shape[1], cfg.head_dim, dtype=dtype, device=x.device)
         k = torch.empty(x.shape[0], cfg.n_kv_heads, x.shape[1], cfg.head_dim, dtype=dtype, device=x.device)
         mask = self.attention_mask(x)
+        if sdpa.kernel_fn(self.sdpa_backend, x.device) is sdpa.math_attention:
+            return "sdpa:math"
         return "sdpa:" + sdpa.kernel_choice(q, k, k, mask)
 
     def on_fit_start(self) -> None:

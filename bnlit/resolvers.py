@@ -52,6 +52,13 @@ def cpu_compile() -> bool:
     return True
 
 
+def cpu_sdpa(precision: str) -> str:
+    """``module.sdpa_backend`` of a CPU run at ``precision``: ``math`` (the math kernel) under bf16,
+    where the default run's compiled step takes 0.79x the time of CPU flash, ``auto`` (CPU flash)
+    in fp32, where math takes 1.08x (paired, ``scripts/bench_attention.py``; docs/throughput.md)."""
+    return "math" if "bf16" in str(precision) else "auto"
+
+
 def register() -> None:
     if not OmegaConf.has_resolver("bnlit.wandb_offline"):
         OmegaConf.register_new_resolver("bnlit.wandb_offline", wandb_offline)
@@ -59,6 +66,8 @@ def register() -> None:
         OmegaConf.register_new_resolver("bnlit.rehearsal_devices", rehearsal_devices)
     if not OmegaConf.has_resolver("bnlit.cpu_precision"):
         OmegaConf.register_new_resolver("bnlit.cpu_precision", cpu_precision)
+    if not OmegaConf.has_resolver("bnlit.cpu_sdpa"):
+        OmegaConf.register_new_resolver("bnlit.cpu_sdpa", cpu_sdpa)
     if not OmegaConf.has_resolver("bnlit.cpu_compile"):
         OmegaConf.register_new_resolver("bnlit.cpu_compile", cpu_compile)
     from bnlit.callbacks import schemas  # the callbacks import most of bnlit: only when configs compose

@@ -130,5 +130,6 @@ def test_fast_path_parts():
     # fused=None, foreach=None: what torch picks for CPU tensors (no foreach kernels off CUDA)
     assert optimizer_part(torch.optim.AdamW(params)) == "for-loop AdamW"
     assert sdpa_part(torch.device("cpu"), "flash") == "sdpa=cpu (flash requested: CUDA-only, cpu kernel instead)"
+    assert sdpa_part(torch.device("cpu"), "math") == "sdpa=math"  # called directly on CPU (bnlit.speed.sdpa)
     if not torch.accelerator.is_available():
         assert loader_part(loader(pin_memory=True)) == "workers=0 (pin_memory requested: no accelerator)"

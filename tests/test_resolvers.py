@@ -50,3 +50,15 @@ def test_cpu_compiles_only_where_a_cxx_compiler_is_found(monkeypatch, tmp_path):
 def test_default_run_compiles_on_cpu_where_it_can(make_cfg):
     cfg = make_cfg(tiny=False)
     assert cfg.module.compile is cpu_compile() and cfg.trainer.accelerator == "cpu"
+
+
+@pytest.mark.parametrize("precision,backend", [("bf16-mixed", "math"), ("32-true", "auto")])
+def test_cpu_attention_kernel_follows_the_precision(make_cfg, precision, backend):
+    # the math kernel is faster than CPU flash under bf16 only (scripts/bench_attention.py)
+    cfg = make_cfg(f"trainer.precision={precision}", tiny=False)
+    assert cfg.module.sdpa_backend == backend
+
+
+def test_default_cpu_run_attention_matches_its_precision(make_cfg):
+    cfg = make_cfg(tiny=False)
+    assert cfg.module.sdpa_backend == ("math" if cfg.trainer.precision == "bf16-mixed" else "auto")

@@ -63,10 +63,13 @@ def optimizer_part(optimizer: torch.optim.Optimizer) -> str:
 
 def sdpa_part(device: torch.device, requested: str = "auto") -> str:
     """On CUDA: the SDPA kernels torch may pick now. Off CUDA those switches do not apply:
-    torch's CPU kernel runs, and a specific request says so."""
+    torch's CPU kernel runs (``math`` on CPU calls the math kernel: ``bnlit.speed.sdpa.kernel_fn``),
+    and another specific request says so."""
     if device.type == "cuda":
         on = [name for name, query in SDPA_SWITCHES.items() if getattr(torch.backends.cuda, query)()]
         return f"sdpa={on[0]}" if len(on) == 1 else f"sdpa=auto({','.join(on)})"
+    if requested == "math" and device.type == "cpu":
+        return "sdpa=math"
     if requested != "auto":
         return f"sdpa={device.type} ({requested} requested: CUDA-only, {device.type} kernel instead)"
     return f"sdpa={device.type}"
