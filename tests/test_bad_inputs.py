@@ -280,8 +280,8 @@ def test_unknown_guard_policy(cli, tmp_path):
 BAD_VALUES = [
     (["threads=0"], "threads=0: must be auto or an integer >= 1; auto uses the idle cores; e.g. threads=1 on a busy machine"),
     (["data.batch_size=0"], "data.batch_size=0: must be an integer >= 1; e.g. 32 windows per micro-batch"),
-    (["optimizer.lr=-1"], "optimizer.lr=-1: must be a finite number > 0; e.g. 2e-2 for the tiny preset"),
-    (["optimizer.lr=nan"], "optimizer.lr=nan: must be a finite number > 0; e.g. 2e-2 for the tiny preset"),
+    (["optimizer.lr=-1"], "optimizer.lr=-1: must be a finite number > 0; e.g. 1e-2 for the tiny preset"),
+    (["optimizer.lr=nan"], "optimizer.lr=nan: must be a finite number > 0; e.g. 1e-2 for the tiny preset"),
     (["data.seq_len=0"], "data.seq_len=0: must be an integer >= 2; a window needs at least 2 tokens to predict "
                          "one from another; e.g. 128"),
     (["data.seq_len=1"], "data.seq_len=1: must be an integer >= 2; a window needs at least 2 tokens to predict "
