@@ -68,7 +68,7 @@ def test_a_new_callback_needs_its_target(tmp_path):
 
 
 def test_add_of_a_defined_key_and_delete_of_an_unknown_one(tmp_path):
-    assert refusal(tmp_path, "+optimizer.lr=2e-3") == ("+optimizer.lr=2e-3: optimizer.lr is already defined (value 0.02); "
+    assert refusal(tmp_path, "+optimizer.lr=2e-3") == ("+optimizer.lr=2e-3: optimizer.lr is already defined (value 0.01); "
                                                        "drop the + to override it: optimizer.lr=2e-3")
     assert refusal(tmp_path, "~callbacks.progres_bar").startswith(
         "~callbacks.progres_bar: no config group or schema defines callbacks.progres_bar, so nothing to delete; "
