@@ -18,7 +18,8 @@ from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_warn
 
 from bnlit import document_masking
 from bnlit.speed import sdpa
-from bnlit.speed.compile import CompileWatch, compile_line, compile_loss, compile_model, recompile_warning
+from bnlit.speed.compile import (CompileWatch, compile_line, compile_loss, compile_model, recompile_warning,
+                                 thread_count_recompile)
 from bnlit.errors import BnlitError
 from bnlit.speed.fast_path import describe_fast_path
 from bnlit.speed.profiling import marked_closure
@@ -167,13 +168,15 @@ class LMModule(L.LightningModule):
     def log_compiles(self, step: int | None = None) -> None:
         """Each Dynamo compile since the last call: a first compile logged with the optimizer step
         it happened in (``step``; default the steps completed), a recompile (none expected after
-        the first step of each kind: ``bnlit.speed.compile``) warned about with Dynamo's reason."""
+        the first step of each kind: ``bnlit.speed.compile``) warned about with Dynamo's reason,
+        except one for a new thread count (logged: ``thread_count_recompile``)."""
         for event in self.compile_watch.poll() if self.compile_watch is not None else ():
             if step is None:
                 step = self.trainer.global_step if self._trainer is not None else 0
-            if not event.recompile:
+            if not event.recompile or thread_count_recompile(event):
                 if self._trainer is None or self.trainer.is_global_zero:
-                    log.info("%s", compile_line(event, step))
+                    log.info("%s", compile_line(event, step) + (" for the new thread count (callbacks.threads; "
+                                                                "expected once per count)" if event.recompile else ""))
                 continue
             message = recompile_warning(event, step)
             rank_zero_warn(message)

@@ -216,23 +216,23 @@ def test_planted_drift_is_caught(tmp_path):
         assert old in text, (rel, old)
         (tmp_path / rel).write_text(text.replace(old, new, 1))
 
-    edit("README.md", "| `tiny` | 64 | 2 |", "| `tiny` | 96 | 2 |")
+    edit("README.md", "| `tiny` | 128 | 2 |", "| `tiny` | 96 | 2 |")
     edit("docs/configuration.md", "| 395.9M |", "| 395.8M |")
     edit("docs/configuration.md", "| `1b` |", "| `2b` |")
-    edit("docs/getting-started.md", "default (1200 steps of 32 x 128", "default (1000 steps of 32 x 128")
-    edit("docs/evaluation.md", "128 tokens, lr 2e-2", "128 tokens, lr 3e-3")
+    edit("docs/getting-started.md", "default (1400 steps of 32 x 128", "default (1000 steps of 32 x 128")
+    edit("docs/evaluation.md", "128 tokens, lr 1e-2", "128 tokens, lr 3e-3")
     edit("docs/production.md", "= 524,288 tokens", "= 524,287 tokens")
     edit("docs/throughput.md", "micro-batch 16 x 16", "micro-batches of 16 x 16")
     presets = preset_mismatches(tmp_path)
-    assert "README.md: tiny dim '96'; conf/model/tiny.yaml gives '64'" in presets
+    assert "README.md: tiny dim '96'; conf/model/tiny.yaml gives '128'" in presets
     assert "docs/configuration.md: 400m parameters '395.9M'; the model has 395.8958M" not in presets
     assert any(p.startswith("docs/configuration.md: 400m parameters '395.8M'") for p in presets)
     assert any(p.startswith("docs/configuration.md: the presets table lists") for p in presets)
     assert len(presets) == 3
     quotes = quote_mismatches(tmp_path)
-    assert any(q.startswith("docs/getting-started.md:") and "quotes 1000 where the default config has 1200" in q
+    assert any(q.startswith("docs/getting-started.md:") and "quotes 1000 where the default config has 1400" in q
                for q in quotes)
-    assert any(q.startswith("docs/evaluation.md:") and "quotes 3e-3 where the default config has 0.02" in q
+    assert any(q.startswith("docs/evaluation.md:") and "quotes 3e-3 where the default config has 0.01" in q
                for q in quotes)
     assert any(q.startswith("docs/production.md:") and "quotes 524,287 where model=400m trainer=h100 has 524288" in q
                for q in quotes)

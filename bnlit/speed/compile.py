@@ -167,8 +167,10 @@ class CompileWatch:
         per_kind = ", ".join(f"{k} {n}" for k, n in sorted(kinds.items(), key=lambda kv: kv[0] != "train"))
         graphs, recompiles = len(self.events) - len(self.recompiles), len(self.recompiles)
         plural = lambda n: "" if n == 1 else "s"  # noqa: E731
+        threads = sum(thread_count_recompile(e) for e in self.recompiles)
+        for_threads = f" ({threads} for a new thread count)" if threads else ""
         return (f"torch.compile: {graphs} graph{plural(graphs)} ({per_kind or 'none'}), "
-                f"{recompiles} recompile{plural(recompiles)}, {self.seconds():.1f} s compiling")
+                f"{recompiles} recompile{plural(recompiles)}{for_threads}, {self.seconds():.1f} s compiling")
 
     def seconds(self) -> float:
         """Compile time of this watch's graphs, forward and backward, as Dynamo recorded it."""
@@ -187,6 +189,13 @@ def compile_line(event: CompileEvent, step: int) -> str:
     [train] compile 0/0 at step 0 (3.2 s)``; tests/speed/test_recompiles.py reads these lines back."""
     took = f" ({event.seconds:.1f} s)" if event.seconds is not None else ""
     return f"torch.compile: compiled {event.describe()} at step {step}{took}"
+
+
+def thread_count_recompile(event: CompileEvent) -> bool:
+    """A recompile for a new torch thread count (Dynamo's guard ``GLOBAL_STATE changed:
+    num_threads``): Inductor's CPU code is built per count, and ``callbacks.threads`` changes the
+    count with the load, so it is expected once per count (a count seen before reuses its graph)."""
+    return event.recompile and "num_threads" in (event.reason or "")
 
 
 def recompile_warning(event: CompileEvent, step: int | None = None, limit: int | None = None) -> str:

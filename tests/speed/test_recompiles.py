@@ -102,3 +102,36 @@ def test_h100_rehearsal_with_validation_checkpoint_probe_and_resume_compiles_onc
         assert "torch.compile: 4 graphs (train 2, eval 2), 0 recompiles" in part
     summary = (run / "summary.md").read_text()
     assert "torch.compile: 4 graphs (train 2, eval 2), 0 recompiles" in summary
+
+
+class SecondThread(L.Callback):
+    """What callbacks.threads does when the load drops: one more torch thread from step 1 on."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == 1:
+            torch.set_num_threads(torch.get_num_threads() + 1)
+
+
+def test_a_recompile_for_a_new_thread_count_is_logged_not_warned(caplog, recwarn):
+    threads = torch.get_num_threads()
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(name="test", vocab_size=VOCAB, dim=32, n_layer=2, n_head=4, n_kv_heads=2,
+                                    multiple_of=16, max_seq_len=64))
+    module = LMModule(model, optimizer=partial(torch.optim.AdamW, lr=1e-3))
+    compile_model(model)  # Inductor: its CPU code, unlike the eager backend's, depends on the thread count
+    module.compile_watch = CompileWatch().start()
+    x = torch.randint(0, VOCAB, (8, 17), generator=torch.Generator().manual_seed(0))
+    loader = DataLoader(TensorDataset(x[:, :-1], x[:, 1:]), batch_size=4)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[SecondThread()])
+    try:
+        with caplog.at_level(logging.INFO, logger="bnlit"):
+            trainer.fit(module, train_dataloaders=loader)
+    finally:
+        module.compile_watch.stop()
+        torch.set_num_threads(threads)
+    assert not [w for w in recwarn if RECOMPILED in str(w.message)]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "torch.compile" in r.getMessage()]
+    lines = [r.getMessage() for r in caplog.records if "for the new thread count" in r.getMessage()]
+    assert lines and "num_threads" in lines[0] and "at step 1" in lines[0], lines
+    assert "(1 for a new thread count)" in module.compile_watch.summary()
