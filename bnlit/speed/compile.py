@@ -86,6 +86,7 @@ class CompileEvent:
     recompile: bool  # a later compile of a code already compiled for this kind
     reason: str | None  # Dynamo's guard failure that caused it (None for a first compile)
     seconds: float | None  # Dynamo's time for the forward frame (its backward compiles at first use)
+    new_thread_count: bool = False  # a recompile at a torch thread count this code and kind never compiled at
 
     def describe(self) -> str:
         why = f": {self.reason}" if self.reason else ""
@@ -98,8 +99,8 @@ class CompileWatch:
 
     def __init__(self):
         self._events: list[CompileEvent] = []
-        self._pending: list[tuple[str, str]] = []  # (compile id, kind) not yet resolved
-        self._seen: set[tuple[str, str]] = set()  # (frame id, kind) compiled once already
+        self._pending: list[tuple[str, str, int]] = []  # (compile id, kind, torch threads) not yet resolved
+        self._seen: dict[tuple[str, str], set[int]] = {}  # (frame id, kind) compiled -> its thread counts
         self._callback = None
         self._reported = 0
 
@@ -117,7 +118,7 @@ class CompileWatch:
         from torch._dynamo.callback import CallbackTrigger
 
         if args.callback_trigger == CallbackTrigger.DYNAMO:  # not a lazily compiled backward
-            self._pending.append((str(args.compile_id), current_kind()))
+            self._pending.append((str(args.compile_id), current_kind(), torch.get_num_threads()))
 
     def _resolve(self) -> None:
         if not self._pending:
@@ -126,16 +127,17 @@ class CompileWatch:
 
         # one entry per forward frame (a lazily compiled backward adds one with is_forward False)
         metrics = {str(m.compile_id): m for m in get_compilation_metrics() if m.is_forward is not False}
-        for compile_id, kind in self._pending:
+        for compile_id, kind, threads in self._pending:
             m = metrics.get(compile_id)
             frame = compile_id.split("/")[0]
             code = (f"{m.co_name} ({'/'.join(str(m.co_filename).split('/')[-2:])}:{m.co_firstlineno})" if m
                     else f"frame {frame}")
-            recompile = (frame, kind) in self._seen
-            self._seen.add((frame, kind))
+            counts = self._seen.setdefault((frame, kind), set())
+            recompile, new_threads = bool(counts), bool(counts) and threads not in counts
+            counts.add(threads)
             reason = m.recompile_reason if m else None
             self._events.append(CompileEvent(compile_id, code, kind, recompile, reason,
-                                            m.entire_frame_compile_time_s if m else None))
+                                            m.entire_frame_compile_time_s if m else None, new_threads))
         self._pending.clear()
 
     @property
@@ -192,10 +194,11 @@ def compile_line(event: CompileEvent, step: int) -> str:
 
 
 def thread_count_recompile(event: CompileEvent) -> bool:
-    """A recompile for a new torch thread count (Dynamo's guard ``GLOBAL_STATE changed:
-    num_threads``): Inductor's CPU code is built per count, and ``callbacks.threads`` changes the
+    """A recompile at a torch thread count the code and kind never compiled at: Inductor's CPU code
+    is built per count (Dynamo's guard ``GLOBAL_STATE changed: num_threads``; its reason may name
+    another cached entry's guard, such as ``grad_mode``), and ``callbacks.threads`` changes the
     count with the load, so it is expected once per count (a count seen before reuses its graph)."""
-    return event.recompile and "num_threads" in (event.reason or "")
+    return event.recompile and event.new_thread_count
 
 
 def recompile_warning(event: CompileEvent, step: int | None = None, limit: int | None = None) -> str:
