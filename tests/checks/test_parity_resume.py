@@ -1,7 +1,8 @@
 """The fast-path parity probe after a resume (issue 25 item 5): healthy runs resumed from
 checkpoints at several steps and seeds, in bf16-mixed (forced on CPUs without native bf16: it
 still runs, emulated) and fp32, raise no parity alarm; a fast-path fault planted after a resume
-is still caught at the first step. The runs use the default run's learning rate (2e-2), at which
+is still caught at the first step. The runs use lr 2e-2 (the default run's until 2026-12-06; it is
+1e-2 at dim 128 now), at which
 the attention's query/key gradients become small after a few steps and bf16 rounds them visibly
 (docs/gradient-flow.md, "The rounding floor")."""
 
