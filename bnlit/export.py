@@ -45,6 +45,8 @@ at the cost of the doubled output mass measured in docs/export.md "Raw text in l
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
 import re
 import shutil
@@ -55,14 +57,19 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from bnlit.alias_logits import DEFAULT_OFFSET, MAX_SPREAD, alias_rows, offset_direction
 from bnlit.errors import CheckpointError
 from bnlit.model import ModelConfig, Transformer
 from bnlit.raw_spellings import DEFAULT_KINDS, RAW_SPELLINGS
 from bnlit.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, normalize
 
+log = logging.getLogger("bnlit")
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")  # --type of scripts/export_gguf.py
 # GGUF keys: the first raw-spelling token's id, and the piece each one spells (bnlit/raw_spellings.py)
 ALIAS_START_KEY, ALIAS_OF_KEY = "bnlit.raw_spellings.start", "bnlit.raw_spellings.alias_of"
+# nats between a raw-spelling token's logit and its piece's, and how far the direction that
+# carries them spreads (bnlit.alias_logits)
+ALIAS_OFFSET_KEY, ALIAS_SPREAD_KEY = "bnlit.raw_spellings.logit_offset", "bnlit.raw_spellings.offset_spread"
 NORMALIZATION_NOTE = ("call bnlit.tokenizer.normalize(text) before encoding (NFC with decomposed nukta letters, "
                       "khanda-ta, joiners, invisible controls; bnlit/data/normalize.py)")
 TOKENIZER_JSON_NOTE = ("tokenizer.json's normalizer applies bnlit.tokenizer.normalize (bnlit/hf_tokenizer.py): encode raw "
@@ -276,22 +283,30 @@ def gguf_vocab(tokenizer: Tokenizer, vocab_size: int, raw_spellings: Sequence[st
     return tokens, scores, types, [of for _, of in aliases]
 
 
-def gguf_tensors(model: Transformer, alias_of: Sequence[int] = ()) -> dict[str, torch.Tensor]:
+def gguf_tensors(model: Transformer, alias_of: Sequence[int] = (),
+                 alias_output: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """The float32 weights under llama.cpp's tensor names (``token_embd.weight``,
     ``blk.0.attn_q.weight`` ...), from the Hugging Face names of :func:`hf_state_dict`; a tied
     head is left out (llama.cpp then uses ``token_embd``). ``alias_of``: the spelled piece of
-    each raw-spelling token (:func:`gguf_vocab`), whose embedding and output rows are appended as
-    copies of that piece's."""
+    each raw-spelling token (:func:`gguf_vocab`), whose embedding rows are appended as copies of
+    that piece's, and whose output rows are ``alias_output`` (:func:`bnlit.alias_logits.alias_rows`;
+    None: copies too). Output rows that differ from the embedding's give a tied head a file
+    ``output.weight`` of its own."""
     import gguf
 
     cfg = model.config
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.n_layer)
+    weights = hf_state_dict(model, torch.float32)
+    if alias_output is not None and "lm_head.weight" not in weights:
+        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
     out = {}
-    for name, t in hf_state_dict(model, torch.float32).items():
+    for name, t in weights.items():
         if name.endswith("q_proj.weight"):
             t = llama_cpp_rope_order(t, cfg.n_head)
         elif name.endswith("k_proj.weight"):
             t = llama_cpp_rope_order(t, cfg.n_kv_heads)
+        elif name == "lm_head.weight" and alias_output is not None:
+            t = torch.cat([t, alias_output.to(t.dtype)])
         elif name in ("model.embed_tokens.weight", "lm_head.weight") and len(alias_of):
             t = torch.cat([t, t[list(alias_of)]])
         new = names.get_name(name, try_suffixes=(".weight",))
@@ -302,13 +317,16 @@ def gguf_tensors(model: Transformer, alias_of: Sequence[int] = ()) -> dict[str, 
 
 
 def export_gguf(model: Transformer, tokenizer: Tokenizer, out_path: str | os.PathLike, type: str = "f32",
-                overwrite: bool = False, raw_spellings: Sequence[str] = DEFAULT_KINDS) -> Path:
+                overwrite: bool = False, raw_spellings: Sequence[str] = DEFAULT_KINDS,
+                alias_logit_offset: float = DEFAULT_OFFSET) -> Path:
     """Write ``model`` and ``tokenizer`` as one GGUF file for llama.cpp's ``llama`` architecture.
 
     ``type``: ``f32``, ``f16``, ``bf16`` or ``q8_0`` for the matrices (norms stay float32; a
     matrix whose rows do not split into q8_0's 32-value blocks falls back to f16), as
     ``convert_hf_to_gguf.py --outtype`` does. ``raw_spellings``: the kinds of raw-spelling tokens
-    to add (:func:`gguf_vocab`; ``()`` for none). Written to a temporary sibling and renamed into place.
+    to add (:func:`gguf_vocab`; ``()`` for none). ``alias_logit_offset``: nats between a
+    raw-spelling token's logit and its piece's (:mod:`bnlit.alias_logits`; 0 shares the piece's
+    output row). Written to a temporary sibling and renamed into place.
     """
     import gguf
 
@@ -316,6 +334,9 @@ def export_gguf(model: Transformer, tokenizer: Tokenizer, out_path: str | os.Pat
         raise CheckpointError(f"--type {type!r}: use one of {', '.join(GGUF_TYPES)}")
     if unknown := sorted(set(raw_spellings) - set(RAW_SPELLINGS)):
         raise CheckpointError(f"--raw-spellings {','.join(unknown)}: use any of {','.join(RAW_SPELLINGS)} or none")
+    if not (math.isfinite(alias_logit_offset) and alias_logit_offset <= 0):
+        raise CheckpointError(f"--alias-logit-offset {alias_logit_offset}: use a number of nats <= 0 "
+                              f"(0 shares the piece's output row; default {DEFAULT_OFFSET})")
     out_path = Path(out_path)
     check_export(model, tokenizer, out_path, overwrite, "GGUF file")
     Q = gguf.GGMLQuantizationType
@@ -326,6 +347,16 @@ def export_gguf(model: Transformer, tokenizer: Tokenizer, out_path: str | os.Pat
     cfg = model.config
     spec = tokenizer.proto().normalizer_spec
     tokens, scores, types, alias_of = gguf_vocab(tokenizer, cfg.vocab_size, raw_spellings)
+    alias_output, spread = None, 0.0
+    if alias_of and alias_logit_offset:
+        direction, spread = offset_direction(model, tokenizer)
+        if spread <= MAX_SPREAD:
+            alias_output = alias_rows(model.output.weight.detach().cpu().float(), alias_of, direction,
+                                      alias_logit_offset)
+        else:  # an untrained model: its final states have no mean to speak of
+            log.warning(f"warning: --alias-logit-offset {alias_logit_offset} not applied: the model's final hidden "
+                        f"states have no near-constant direction to carry it (relative spread {spread:.2f} > "
+                        f"{MAX_SPREAD}), so raw-spelling tokens share their pieces' output rows (offset 0)")
 
     w = gguf.GGUFWriter(None, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA])
     w.add_name(f"bnlit {cfg.name}")
@@ -363,7 +394,10 @@ def export_gguf(model: Transformer, tokenizer: Tokenizer, out_path: str | os.Pat
     w.add_string("bnlit.tokenizer_sha256", tokenizer.sha256)
     w.add_uint32(ALIAS_START_KEY, cfg.vocab_size)
     w.add_array(ALIAS_OF_KEY, alias_of)
-    for name, t in gguf_tensors(model, alias_of).items():
+    if alias_of:
+        w.add_float32(ALIAS_OFFSET_KEY, alias_logit_offset if alias_output is not None else 0.0)
+        w.add_float32(ALIAS_SPREAD_KEY, spread)
+    for name, t in gguf_tensors(model, alias_of, alias_output).items():
         data = t.numpy()
         qtype = Q.F32 if data.ndim == 1 else matrix_type
         try:

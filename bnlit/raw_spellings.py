@@ -12,8 +12,9 @@ docs/export.md "Raw text in llama.cpp").
 
 :func:`spelling_aliases` lists, for a vocabulary, every piece's other spellings (:data:`RAW_SPELLINGS`,
 each occurrence in either form). The GGUF export (``bnlit.export.export_gguf``) appends them to the
-vocabulary as extra tokens whose embedding and output rows are copies of the piece's: llama.cpp
-then reads either spelling as the same vector. Their ids are new (llama.cpp gives one id per
+vocabulary as extra tokens whose embedding rows are copies of the piece's: llama.cpp then reads
+either spelling as the same vector. Their output rows put their logits a fixed offset below the
+piece's (:mod:`bnlit.alias_logits`). Their ids are new (llama.cpp gives one id per
 text), so :func:`canonical_ids` maps them back for comparisons. A spelling alias of a
 one-character piece (ো typed ে + া) has to be merged from two characters before anything else,
 as NFC composes them first: its score is above every piece's. Other aliases keep the piece's

@@ -2,7 +2,7 @@
 SentencePiece vocabulary with scores and token types, BOS/EOS ids, normalisation notes).
 
     python scripts/export_gguf.py --checkpoint CKPT --out model.gguf [--type f32|f16|bf16|q8_0] [--overwrite]
-                                  [--raw-spellings nukta|nukta,vowel_signs|none]
+                                  [--raw-spellings nukta|nukta,vowel_signs|none] [--alias-logit-offset NATS]
 
 Norms stay float32 in every type. Tokenize for it as bnlit does: ``bnlit.export.gguf_text(text)``
 (``bnlit.tokenizer.normalize`` and SentencePiece's whitespace rule) before llama.cpp's tokenizer;
@@ -20,6 +20,7 @@ from bnlit.errors import BnlitError
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")  # bnlit.export.GGUF_TYPES (tests/test_scripts_help.py checks they agree)
 RAW_SPELLING_KINDS = ("nukta", "vowel_signs")  # bnlit.raw_spellings.RAW_SPELLINGS (tests/test_scripts_help.py)
 DEFAULT_RAW_SPELLINGS = ("nukta",)  # bnlit.raw_spellings.DEFAULT_KINDS
+DEFAULT_ALIAS_LOGIT_OFFSET = -0.5  # bnlit.alias_logits.DEFAULT_OFFSET (tests/test_scripts_help.py)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,6 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--raw-spellings", default=",".join(DEFAULT_RAW_SPELLINGS),
                    help="tokens for the other spellings of pieces (bnlit/raw_spellings.py), so that llama.cpp "
                         "reads raw text: comma-separated kinds of " + ",".join(RAW_SPELLING_KINDS) + ", or none")
+    p.add_argument("--alias-logit-offset", type=float, default=DEFAULT_ALIAS_LOGIT_OFFSET, metavar="NATS",
+                   help="a raw-spelling token's logit relative to its piece's (bnlit/alias_logits.py): lower costs "
+                        "less on text in bnlit's spelling, more on text typed in the other; 0 shares the piece's row")
     args = p.parse_args(argv)
     kinds = () if args.raw_spellings == "none" else tuple(k for k in args.raw_spellings.split(",") if k)
     if unknown := sorted(set(kinds) - set(RAW_SPELLING_KINDS)):
@@ -42,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         model, tok, ckpt = load_model(args.checkpoint)
-        out = export_gguf(model, tok, args.out, type=args.type, overwrite=args.overwrite, raw_spellings=kinds)
+        out = export_gguf(model, tok, args.out, type=args.type, overwrite=args.overwrite, raw_spellings=kinds,
+                          alias_logit_offset=args.alias_logit_offset)
     except BnlitError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from bnlit.alias_logits import MAX_SPREAD
 from bnlit.data.normalize import ZWJ, ZWNJ
 from bnlit.errors import CheckpointError
 from bnlit.export import export_gguf, gguf_tensors, gguf_text, llama_cpp_rope_order
@@ -145,10 +146,48 @@ def test_gguf_file_carries_architecture_vocabulary_and_notes(tokenizer, tmp_path
     only_nukta = [t for t in default["tokenizer.ggml.tokens"].contents()[544:]]
     assert only_nukta and all(set(t) & set("\u09df\u09dc\u09dd") for t in only_nukta)
     assert "\u09c7\u09be" not in only_nukta
+    # an untrained model's final states have no near-constant direction: the offset falls back to
+    # shared rows (asserted above), says so in one line, and the file records offset 0
+    assert (f["bnlit.raw_spellings.logit_offset"], f["bnlit.raw_spellings.offset_spread"] > MAX_SPREAD) == (0.0, True)
     bare = gguf.GGUFReader(export_gguf(model, tokenizer, tmp_path / "n.gguf", raw_spellings=())).fields
     assert len(bare["tokenizer.ggml.tokens"].contents()) == 544 and "bnlit.raw_spellings.alias_of" not in bare
     with pytest.raises(CheckpointError, match="--raw-spellings accents"):
         export_gguf(model, tokenizer, tmp_path / "x.gguf", raw_spellings=("accents",))
+
+
+def test_raw_spelling_logits_sit_the_offset_below_their_pieces(tokenizer, tmp_path, caplog):
+    """A trained model's raw-spelling tokens get output rows of their own (a tied head gets a file
+    ``output.weight``): on the model's own final hidden states, over text it never saw in the
+    direction's estimate, each alias's logit is its piece's plus the offset, to the recorded spread."""
+    from bnlit.alias_logits import DEFAULT_OFFSET, final_hidden_states
+
+    cfg = tiny(tie=True)
+    model = trained(cfg, tokenizer)
+    out = export_gguf(model, tokenizer, tmp_path / "m.gguf")
+    r = gguf.GGUFReader(out)
+    f = {k: v.contents() for k, v in r.fields.items()}
+    offset, spread, alias_of = (f[f"bnlit.raw_spellings.{k}"] for k in ("logit_offset", "offset_spread", "alias_of"))
+    assert offset == pytest.approx(DEFAULT_OFFSET) and 0 < spread <= MAX_SPREAD and alias_of
+    tensors = {t.name: np.asarray(t.data).reshape(-1, cfg.dim) for t in r.tensors if t.name.endswith("weight")}
+    embd, head = (torch.tensor(np.array(tensors[k])) for k in ("token_embd.weight", "output.weight"))
+    torch.testing.assert_close(embd[544:], embd[alias_of], rtol=0, atol=0)  # read as the same vector
+    torch.testing.assert_close(head[:544], model.output.weight.detach(), rtol=0, atol=0)
+    # Bangla (the direction is fitted on Bangla: the nukta pieces' probability is there)
+    x = torch.tensor([[EOS_ID, *tokenizer.encode(" ".join(TEXTS[:2] * 4))][:cfg.max_seq_len]])
+    h = final_hidden_states(model, x).float()
+    gap = (h @ head[544:].T - h @ head[alias_of].T)[:, 0]  # (positions,): every alias shares the shift
+    # measured -0.468 +- 0.116 (spread 0.087 on the direction's sample): below the piece at every position
+    assert gap.mean().item() == pytest.approx(offset, abs=0.25 * abs(offset))
+    assert gap.std().item() < 0.3 * abs(offset) and (gap < 0).all()
+    # 0 shares the rows, and a tied head stays tied
+    shared = gguf.GGUFReader(export_gguf(model, tokenizer, tmp_path / "s.gguf", alias_logit_offset=0))
+    assert "output.weight" not in {t.name for t in shared.tensors}
+    assert shared.fields["bnlit.raw_spellings.logit_offset"].contents() == 0.0
+    with pytest.raises(CheckpointError, match=r"--alias-logit-offset 0.5: use a number of nats <= 0"):
+        export_gguf(model, tokenizer, tmp_path / "x.gguf", alias_logit_offset=0.5)
+    with caplog.at_level("WARNING", logger="bnlit"):
+        export_gguf(Transformer(cfg), tokenizer, tmp_path / "u.gguf")
+    assert "not applied" in caplog.text and "offset 0" in caplog.text
 
 
 def test_q8_0_quantizes_matrices_and_keeps_norms_f32(tokenizer, tmp_path):
@@ -283,9 +322,10 @@ def test_llama_cpp_logits_and_greedy_generation_match_bnlit(tokenizer, tmp_path,
     with torch.no_grad():
         assert (other(x)[0] - ref).abs().max().item() / scale > 10 * TOLERANCE["q8_0"]
     for kind in (("f32", "f16", "bf16", "q8_0") if not tie else ("f32",)):
-        with LlamaCppLM(export_gguf(model, tokenizer, tmp_path / f"{kind}.gguf", type=kind)) as lm:
+        with LlamaCppLM(export_gguf(model, tokenizer, tmp_path / f"{kind}.gguf", type=kind,
+                                    alias_logit_offset=0)) as lm:
             got, aliases = lm(x)[0].split([cfg.vocab_size, len(lm.alias_of)], dim=-1)
-            # a raw-spelling token's logit is its piece's (the same output row)
+            # with offset 0 a raw-spelling token's logit is its piece's (the same output row)
             torch.testing.assert_close(aliases, got[:, list(lm.alias_of.values())], rtol=0, atol=0)
             rel = (got - ref).abs().max().item() / scale
             print(f"{cfg.n_kv_heads=} tie={tie} {kind}: max |logit diff| / max |logit| = {rel:.2e}")
@@ -295,6 +335,21 @@ def test_llama_cpp_logits_and_greedy_generation_match_bnlit(tokenizer, tmp_path,
                 want = generate(model, ids, 16, temperature=0.0)
                 assert lm.generate_greedy(ids, 16) == want
                 assert len(set(want)) > 1, "a degenerate continuation would not test much"
+    # the default offset: llama.cpp's alias logits are bnlit's piece logits plus the offset along the
+    # export's direction (bnlit.alias_logits), exactly as computed from the model's own final states
+    from bnlit.alias_logits import DEFAULT_OFFSET, final_hidden_states, offset_direction
+
+    direction, spread = offset_direction(model, tokenizer)
+    assert spread <= MAX_SPREAD or not tie, "the tied model (spread 0.13) must test the offset rows"
+    with LlamaCppLM(export_gguf(model, tokenizer, tmp_path / "offset.gguf")) as lm:
+        got, aliases = lm(x)[0].split([cfg.vocab_size, len(lm.alias_of)], dim=-1)
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * scale)
+        if spread <= MAX_SPREAD:
+            shift = DEFAULT_OFFSET * (final_hidden_states(model, x) @ direction).float()
+            want = ref[:, list(lm.alias_of.values())] + shift[:, None]
+            torch.testing.assert_close(aliases, want, rtol=1e-5, atol=1e-5 * scale)
+        else:
+            torch.testing.assert_close(aliases, got[:, list(lm.alias_of.values())], rtol=0, atol=0)
 
 
 @pytest.mark.slow

@@ -83,4 +83,7 @@ def test_constants_the_scripts_repeat_agree_with_their_modules():
 
     names = runpy.run_path(str(scripts / "export_gguf.py"))
     assert names["RAW_SPELLING_KINDS"] == tuple(RAW_SPELLINGS) and names["DEFAULT_RAW_SPELLINGS"] == DEFAULT_KINDS
+    from bnlit.alias_logits import DEFAULT_OFFSET
+
+    assert names["DEFAULT_ALIAS_LOGIT_OFFSET"] == DEFAULT_OFFSET
     assert runpy.run_path(str(scripts / "evaluate.py"))["BASELINES"] == tuple(BASELINES)
