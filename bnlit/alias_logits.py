@@ -14,8 +14,8 @@ llama.cpp's ``llama`` graph has no output bias, so the offset is carried by the 
 alias's row is the piece's plus ``delta * u``, where ``u`` is the direction along which the final
 (normalised) hidden states ``h`` are most nearly constant, scaled so that ``u . h`` is 1 on
 average: ``u = S^-1 m / (m' S^-1 m)`` for their mean ``m`` and covariance ``S`` (the least-variance
-linear functional with mean 1). ``u . h`` then varies by its relative spread around 1 (5% on the
-default run's held-out Bangla), so the alias's logit sits ``delta`` nats below the piece's to that
+linear functional with mean 1). ``u . h`` then varies by its relative spread around 1 (docs/export.md
+gives it on the default run), so the alias's logit sits ``delta`` nats below the piece's to that
 precision. The states come from the model's own forward pass over the embedded corpus's Bangla
 (:func:`sample_windows`); the export records ``delta`` and the spread in the file.
 """
@@ -40,8 +40,8 @@ def sample_windows(tokenizer, seq_len: int, tokens: int = SAMPLE_TOKENS) -> torc
     corpus's Bangla documents, each document cut into consecutive windows after an
     end-of-document token as training packs them. Bangla only: the raw-spelling tokens spell
     Bangla pieces, whose probability is what the offset acts on, and the states' near-constant
-    direction differs between languages (on the default run, ``u . h`` fitted on Bangla is
-    1.00 +- 0.05 on the held-out Bangla and -0.6 on English)."""
+    direction differs between languages (docs/export.md "The logit offset" has ``u . h`` on the
+    default run's Bangla and English)."""
     from bnlit.data.embedded import bangla_documents
 
     windows = []
