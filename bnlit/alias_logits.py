@@ -40,7 +40,7 @@ def sample_windows(tokenizer, seq_len: int, tokens: int = SAMPLE_TOKENS) -> torc
     corpus's Bangla documents, each document cut into consecutive windows after an
     end-of-document token as training packs them. Bangla only: the raw-spelling tokens spell
     Bangla pieces, whose probability is what the offset acts on, and the states' near-constant
-    direction differs between languages (docs/export.md "The logit offset" has ``u . h`` on the
+    direction differs between languages (docs/export.md "Raw text in llama.cpp" has ``u . h`` on the
     default run's Bangla and English)."""
     from bnlit.data.embedded import bangla_documents
 
