@@ -9,7 +9,14 @@ group's timeout instead (``trainer.strategy.timeout``; Lightning's default 30 mi
 
 Which rank: :func:`record_peers` keeps every rank's host and pid (one ``all_gather_object`` when
 the process group starts); :func:`lost_ranks` checks which of them on this host no longer run. A
-rank on another host cannot be checked from here and is named as such."""
+rank on another host cannot be checked from here and is named as such.
+
+Who reports: every survivor, itself. Lightning's launcher (``python -m bnlit.train`` with
+``devices>1`` starts ranks 1.. as child processes) watches them from a thread of rank 0 and, up to
+5 s after one exits non-zero, SIGKILLs every rank, rank 0 included -- a race with the survivors'
+one line, which they print within a second of the failed collective. ``trainer=fsdp`` launches with
+:class:`bnlit.fsdp.LostRankLauncher`, whose observer gives the survivors ``GRACE_S`` to report and
+exit on their own and kills only what still runs after that (a rank hung outside any collective)."""
 
 from __future__ import annotations
 
@@ -96,3 +103,4 @@ def lost_rank_message(my_rank: int, run_dir: Path, newest: Path | None) -> str:
     where = f"the newest complete checkpoint is {newest.name}" if newest is not None else "no complete checkpoint yet"
     return (f"rank {my_rank} stops: {what}, so the collective it waited on failed; {where}; "
             f"resume with ckpt_path=last hydra.run.dir={run_dir}")
+

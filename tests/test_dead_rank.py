@@ -6,11 +6,15 @@ picks the last complete checkpoint, never the interrupted save (bnlit/lost_rank.
 from __future__ import annotations
 
 import re
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
 
 from bnlit.checkpointing import newest_checkpoint, resolve_ckpt_path
+from bnlit.fsdp import LostRankObserver
 from bnlit.lost_rank import EXIT_CODE
 from helpers_dist import run_train_cli
 from test_rehearsal import DATA
@@ -46,3 +50,35 @@ def test_a_killed_rank_ends_the_job_naming_it(tmp_path, cache_dir, devices, wher
     assert any(p.name.startswith(".step0000004.ckpt.tmp") for p in checkpoints.iterdir()) == (where == "save")
     assert newest_checkpoint(checkpoints) == checkpoints / "step0000002.ckpt"
     assert resolve_ckpt_path("last", checkpoints, overwrite=False) == str(checkpoints / "step0000002.ckpt")
+
+
+def _process(code: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", code])
+
+
+@pytest.mark.parametrize("main_exits_itself", [True, False])
+def test_the_observer_lets_the_survivors_report_before_it_kills(main_exits_itself):
+    """Lightning's observer SIGKILLs every rank <= 5 s after a child dies, racing the survivors'
+    one line; bnlit's waits: a main process that reports and exits by itself keeps its exit code,
+    and one still running after the grace period is killed with the children it started."""
+    dead = _process("import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
+    survivor = _process("import time; time.sleep(60)")
+    main = _process(f"import time; time.sleep({1 if main_exits_itself else 60}); raise SystemExit({EXIT_CODE})")
+    dead.wait()
+    start = time.monotonic()
+    observer = LostRankObserver(main_pid=main.pid, child_processes=[dead, survivor], grace_s=3, sleep_period=0.05)
+    observer.start()
+    try:
+        if main_exits_itself:  # reaped only after the grace: the observer must not kill it meanwhile
+            observer.join(timeout=10)
+            assert main.wait(timeout=1) == EXIT_CODE
+            assert survivor.poll() is None  # the survivors report and exit by themselves
+        else:
+            assert main.wait(timeout=20) == -signal.SIGKILL
+            assert survivor.wait(timeout=5) == -signal.SIGKILL
+            assert time.monotonic() - start >= 3
+        assert not observer.is_alive()
+    finally:
+        for p in (survivor, main):
+            p.kill()
+            p.wait()
