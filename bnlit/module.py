@@ -18,6 +18,7 @@ from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_warn
 
 from bnlit import document_masking
 from bnlit.speed import sdpa
+from bnlit.speed import compile_ahead
 from bnlit.speed.compile import (CompileWatch, compile_line, compile_loss, compile_model, recompile_warning,
                                  thread_count_recompile)
 from bnlit.errors import BnlitError
@@ -183,6 +184,8 @@ class LMModule(L.LightningModule):
             log.warning("!!! %s", message)
 
     def on_train_start(self) -> None:
+        if self.compile:
+            compile_ahead.wait()  # the child compiling this run's training graph, if one was started
         restore_checkpointed_row(self.trainer, self._checkpointed_row)  # lost to a kill after the save?
         self._checkpointed_row = None
         self.fast_path = describe_fast_path(self.trainer, self)

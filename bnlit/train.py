@@ -35,6 +35,7 @@ from bnlit.interrupt import Interrupted, StopAtOnce, restore_handlers
 from bnlit.loggers import finish_wandb_run, redact, run_tags, sweep_job
 from bnlit.preflight import check_config, instantiate_checked
 from bnlit.run_report import print_report, write_summary
+from bnlit.speed import compile_ahead
 from bnlit.speed.host_malloc import KEEP_BYTES, keep_freed_memory
 from bnlit.speed.threads import hold_threads, load_average, set_threads
 from bnlit.storage import is_storage_error, remove_stale_temp_files, storage_message
@@ -87,6 +88,8 @@ def fit(cfg: DictConfig) -> dict[str, float]:
     if torch.cuda.is_available():
         torch.set_float32_matmul_precision("high")
 
+    if compile_ahead.wanted(cfg):
+        compile_ahead.start(cfg)  # the graphs, while this process builds the data (bnlit/speed/compile_ahead.py)
     datamodule = instantiate(cfg.data)
     model = instantiate(cfg.model)
     scheduler = instantiate(cfg.scheduler) if cfg.get("scheduler") else None

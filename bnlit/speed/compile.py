@@ -171,8 +171,21 @@ class CompileWatch:
         plural = lambda n: "" if n == 1 else "s"  # noqa: E731
         threads = sum(thread_count_recompile(e) for e in self.recompiles)
         for_threads = f" ({threads} for a new thread count)" if threads else ""
+        loaded = self.cache_loads()
+        from_cache = f" ({loaded} loaded from Inductor's cache)" if loaded else ""
         return (f"torch.compile: {graphs} graph{plural(graphs)} ({per_kind or 'none'}), "
-                f"{recompiles} recompile{plural(recompiles)}{for_threads}, {self.seconds():.1f} s compiling")
+                f"{recompiles} recompile{plural(recompiles)}{for_threads}, {self.seconds():.1f} s compiling{from_cache}")
+
+    def cache_loads(self) -> int:
+        """How many of this watch's compiles (first compiles and recompiles) were loaded whole from
+        Inductor's on-disk caches (AOTAutograd's: the forward and, for training, its backward)
+        rather than compiled: a warm cache, or a child that compiled them first
+        (:mod:`bnlit.speed.compile_ahead`)."""
+        from torch._dynamo.utils import get_compilation_metrics
+
+        ids = {e.compile_id for e in self.events}
+        return sum(1 for m in get_compilation_metrics()
+                   if str(m.compile_id) in ids and m.is_forward is not False and (m.aotautograd_local_cache_hit_count or 0))
 
     def seconds(self) -> float:
         """Compile time of this watch's graphs, forward and backward, as Dynamo recorded it."""
