@@ -4,6 +4,10 @@ the data build shows its stages, and the thread count follows the load."""
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
+import time
 
 import lightning as L
 import pytest
@@ -11,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from bnlit import progress
-from bnlit.speed.threads import choose_threads, rechoose_threads
+from bnlit.speed.threads import choose_threads, idle_cores, rechoose_threads
 from bnlit.callbacks.progress_bar import RunProgressBar
 from bnlit.progress import run_total_steps
 from bnlit.callbacks.threads import ThreadsFollowLoad
@@ -71,6 +75,29 @@ def test_auto_threads_take_the_idle_cores(cpus, load, want):
     n, why = choose_threads("auto", cpus, load)
     assert n == want
     assert why.startswith(f"auto: {cpus} cores, load average ")
+
+
+@pytest.mark.parametrize("cpus,load,idle,want", [
+    (2, 0.9, 1.96, 2),  # the README's pip install just ended: its share of the load average is history
+    (2, 0.1, 0.8, 1),   # another job took a core a moment ago: the average has not seen it yet
+    (2, 0.0, 0.0, 1), (16, 3.0, 15.2, 15), (4, None, 3.7, 4)])
+def test_auto_threads_take_the_cores_measured_idle_at_start(cpus, load, idle, want):
+    n, why = choose_threads("auto", cpus, load, idle)
+    assert n == want
+    assert why.startswith(f"auto: {cpus} cores, {idle:.1f} idle over 0.5 s")
+
+
+def test_idle_cores_sees_a_busy_process_on_one_of_this_process_cores():
+    mine = sorted(os.sched_getaffinity(0))
+    quiet = idle_cores()
+    assert quiet is not None and 0 <= quiet <= len(mine) + 0.01
+    busy = subprocess.Popen([sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{mine[0]}}})\nwhile True: pass"])
+    try:
+        time.sleep(0.3)  # started and spinning
+        assert idle_cores() <= len(mine) - 0.7  # that core is busy, whatever else the machine does
+    finally:
+        busy.kill()
+        busy.wait()
 
 
 @pytest.mark.parametrize("cpus,load,current,want", [

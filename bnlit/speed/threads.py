@@ -4,14 +4,20 @@ On a quiet machine every core helps. On a machine whose cores are already busy w
 each extra OpenMP thread waits at every barrier for a core the scheduler gives to someone else,
 and a step slows by far more than the load ratio (docs/getting-started.md "Threads and load": paired
 ``scripts/bench_threads.py`` figures). ``threads: auto`` therefore asks for the cores that are
-idle now, at least one; an integer pins the count."""
+idle now, at least one; an integer pins the count.
+
+"Now" at start is measured, not read off the 1-minute load average: that average still counts a
+job that ended seconds ago (the README's own ``pip install ... && python -m bnlit.train`` left
+0.5-1.0 of it), which made a quiet 2-core machine start on one thread and compile again when
+the second came (:func:`idle_cores`)."""
 
 from __future__ import annotations
 
 import logging
 import math
 import os
-
+import time
+from pathlib import Path
 
 from bnlit.errors import ConfigError
 
@@ -34,13 +40,50 @@ def load_average() -> float | None:
         return None
 
 
-def choose_threads(setting: int | str, cpus: int, load: float | None) -> tuple[int, str]:
-    """``(threads, why)`` for ``threads=setting`` on ``cpus`` cores at 1-minute ``load``.
+IDLE_WINDOW_S = 0.5  # how long idle_cores watches the cores at start
 
-    ``auto``: the idle cores, ``cpus - load`` rounded to the nearest integer, between 1 and ``cpus``
-    (all of them when the load is unknown).
+
+def idle_cores(window: float = IDLE_WINDOW_S) -> float | None:
+    """The idle cores among this process's (its affinity mask) over the next ``window`` seconds,
+    from ``/proc/stat`` (idle and iowait count as idle, a VM's steal as busy), while this process
+    sleeps; None where there is no ``/proc/stat``."""
+    try:
+        mine = os.sched_getaffinity(0)
+        before = _cpu_times(mine)
+        time.sleep(window)
+        after = _cpu_times(mine)
+    except (AttributeError, OSError, ValueError, IndexError):
+        return None
+    if not after or before.keys() != after.keys():
+        return None
+    return sum((after[c][0] - before[c][0]) / (after[c][1] - before[c][1]) if after[c][1] > before[c][1] else 1.0
+               for c in after)
+
+
+def _cpu_times(cpus: set[int]) -> dict[int, tuple[int, int]]:
+    """``{cpu: (idle ticks, total ticks)}`` of ``/proc/stat``'s per-CPU lines for ``cpus``."""
+    out = {}
+    for line in Path("/proc/stat").read_text().splitlines():
+        if line.startswith("cpu") and line[3].isdigit():
+            name, *fields = line.split()
+            if int(name[3:]) in cpus:
+                user, nice, system, idle, iowait, irq, softirq, steal = map(int, fields[:8])
+                out[int(name[3:])] = (idle + iowait, user + nice + system + idle + iowait + irq + softirq + steal)
+    return out
+
+
+def choose_threads(setting: int | str, cpus: int, load: float | None, idle: float | None = None) -> tuple[int, str]:
+    """``(threads, why)`` for ``threads=setting`` on ``cpus`` cores at 1-minute ``load``, with
+    ``idle`` cores measured at start (:func:`idle_cores`; None where it cannot be).
+
+    ``auto``: the idle cores rounded to the nearest integer, between 1 and ``cpus``: measured where
+    they can be, else ``cpus - load`` (all of them when the load is unknown too).
     """
     if setting == "auto":
+        if idle is not None:
+            n = max(1, min(cpus, math.floor(idle + 0.5)))
+            average = f", load average {load:.2f}" if load is not None else ""
+            return n, f"auto: {cpus} cores, {idle:.1f} idle over {IDLE_WINDOW_S:g} s{average}"
         if load is None:
             return cpus, f"auto: {cpus} cores, load average unknown"
         idle = max(1, min(cpus, math.floor(cpus - load + 0.5)))
@@ -65,7 +108,7 @@ def set_threads(setting: int | str) -> int:
     """Apply :func:`choose_threads` to torch and log the choice with the load; returns the count."""
     import torch  # here: the rest of this module (cores, load) serves tools that never import torch
 
-    n, why = choose_threads(setting, available_cpus(), load_average())
+    n, why = choose_threads(setting, available_cpus(), load_average(), idle_cores() if setting == "auto" else None)
     torch.set_num_threads(n)
     # Lightning's DDP launchers set torch's count from the cores per process unless OMP_NUM_THREADS is set
     os.environ.setdefault("OMP_NUM_THREADS", str(n))
