@@ -103,4 +103,3 @@ def lost_rank_message(my_rank: int, run_dir: Path, newest: Path | None) -> str:
     where = f"the newest complete checkpoint is {newest.name}" if newest is not None else "no complete checkpoint yet"
     return (f"rank {my_rank} stops: {what}, so the collective it waited on failed; {where}; "
             f"resume with ckpt_path=last hydra.run.dir={run_dir}")
-

@@ -17,8 +17,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_warn
 
 from bnlit import document_masking
-from bnlit.speed import sdpa
-from bnlit.speed import compile_ahead
+from bnlit.speed import compile_ahead, sdpa
 from bnlit.speed.compile import (CompileWatch, compile_line, compile_loss, compile_model, recompile_warning,
                                  thread_count_recompile)
 from bnlit.errors import BnlitError

@@ -43,6 +43,11 @@ def load_average() -> float | None:
 IDLE_WINDOW_S = 0.5  # how long idle_cores watches the cores at start
 
 
+def _whole_cores(idle: float, cpus: int) -> int:
+    """``idle`` cores rounded to the nearest integer, between 1 and ``cpus``."""
+    return max(1, min(cpus, math.floor(idle + 0.5)))
+
+
 def idle_cores(window: float = IDLE_WINDOW_S) -> float | None:
     """The idle cores among this process's (its affinity mask) over the next ``window`` seconds,
     from ``/proc/stat`` (idle and iowait count as idle, a VM's steal as busy), while this process
@@ -81,12 +86,12 @@ def choose_threads(setting: int | str, cpus: int, load: float | None, idle: floa
     """
     if setting == "auto":
         if idle is not None:
-            n = max(1, min(cpus, math.floor(idle + 0.5)))
+            n = _whole_cores(idle, cpus)
             average = f", load average {load:.2f}" if load is not None else ""
             return n, f"auto: {cpus} cores, {idle:.1f} idle over {IDLE_WINDOW_S:g} s{average}"
         if load is None:
             return cpus, f"auto: {cpus} cores, load average unknown"
-        idle = max(1, min(cpus, math.floor(cpus - load + 0.5)))
+        idle = _whole_cores(cpus - load, cpus)
         return idle, f"auto: {cpus} cores, load average {load:.2f} leaves {idle} idle"
     if isinstance(setting, int) and not isinstance(setting, bool) and setting >= 1:
         return setting, "set by threads"
@@ -100,7 +105,7 @@ def rechoose_threads(cpus: int, load: float, current: int) -> tuple[int, str]:
     (Without that correction a quiet machine would read its own 2 threads as 2 busy cores and
     drop to 1.)"""
     others = max(0.0, load - current)
-    idle = max(1, min(cpus, math.floor(cpus - others + 0.5)))
+    idle = _whole_cores(cpus - others, cpus)
     return idle, f"auto: {cpus} cores, load average {load:.2f} of which ~{others:.1f} other jobs leaves {idle} idle"
 
 
