@@ -184,7 +184,7 @@ class LMModule(L.LightningModule):
 
     def on_train_start(self) -> None:
         if self.compile:
-            compile_ahead.wait()  # the child compiling this run's training graph, if one was started
+            compile_ahead.wait("train")  # the child compiling this run's graphs, if one was started
         restore_checkpointed_row(self.trainer, self._checkpointed_row)  # lost to a kill after the save?
         self._checkpointed_row = None
         self.fast_path = describe_fast_path(self.trainer, self)
@@ -271,6 +271,10 @@ class LMModule(L.LightningModule):
         self.log(f"val/{name}_loss", loss, add_dataloader_idx=False, batch_size=x.shape[0])
         self._val_losses.append((loss.detach(), x.shape[0]))
         return loss
+
+    def on_validation_start(self) -> None:
+        if self.compile:
+            compile_ahead.wait("eval")
 
     def on_validation_epoch_start(self) -> None:
         self._val_losses = []

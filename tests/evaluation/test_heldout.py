@@ -53,6 +53,18 @@ class Uniform(nn.Module):
         return torch.zeros(*idx.shape, self.vocab_size) + 0 * self.anchor
 
 
+class LogitsOnly(nn.Module):
+    """``model`` seen as any logits model (not a bnlit Transformer): :func:`evaluate_stream` scores
+    it through its logits, token by token."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, idx, mask=None):
+        return self.model(idx, mask=mask)
+
+
 def preset(name: str) -> ModelConfig:
     c = OmegaConf.to_container(OmegaConf.load(Path(CONF_DIR) / "model" / f"{name}.yaml").model.config)
     return ModelConfig(**{k: v for k, v in c.items() if k != "_target_"})
@@ -118,6 +130,26 @@ def test_evaluate_stream_makes_the_same_number_of_forward_calls_on_every_rank():
     assert per_rank[0][0][1] + per_rank[1][0][1] == len(stream) - 1  # the spare call scored nothing
 
 
+@pytest.mark.parametrize("masked", [True, False])
+@pytest.mark.parametrize("seq_len,batch_size", [(16, 1), (16, 3), (30, 2)])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_a_transformer_is_scored_through_its_loss_as_through_its_logits(masked, seq_len, batch_size, autocast):
+    """A bnlit Transformer is scored through its own loss (the unscored targets ignored), the
+    graph validation compiles; the totals are those of its logits scored token by token: packed
+    documents, a document longer than a window (rolling windows, context not scored), a short last
+    batch, with and without the mask, in fp32 and under bf16 autocast."""
+    torch.manual_seed(0)
+    model = Transformer(SMALL).eval()
+    rng = np.random.default_rng(2)
+    stream = token_stream([rng.integers(4, SMALL.vocab_size, size=n).tolist() for n in (11, 40, 7, 3, 17)], 3)
+    assert any(k for _, _, k in windows(stream, 3, seq_len)), "a window with context that is not scored"
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        own = evaluate_stream(model, stream, seq_len, batch_size, eos_id=3, document_masking=masked)
+        ref = evaluate_stream(LogitsOnly(model), stream, seq_len, batch_size, eos_id=3, document_masking=masked)
+    assert own[1] == ref[1] == len(stream) - 1
+    assert own[0] == pytest.approx(ref[0], rel=1e-5)
+
+
 class TokenNLL(NLLSum):
     """:class:`NLLSum` that also keeps every token's NLL, in scoring order."""
 
@@ -136,7 +168,7 @@ def test_a_document_scores_the_same_alone_or_packed_after_others():
     other documents in one window, because attention stops at every eos as in training. Without
     the mask (``eos_id=None``) the packed scores change: the check can fail."""
     torch.manual_seed(0)
-    model = Transformer(SMALL).eval()
+    model = LogitsOnly(Transformer(SMALL).eval())  # every token's NLL (a Transformer is scored by sums)
     rng = np.random.default_rng(1)
     docs = [rng.integers(4, SMALL.vocab_size, size=n).tolist() for n in (11, 23, 7, 17)]
     alone = []
