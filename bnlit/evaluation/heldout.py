@@ -173,15 +173,14 @@ def evaluate_stream(
     document boundary inside a window (:func:`bnlit.document_masking.document_mask`,
     ``model(idx, mask=...)``), as training does with ``module.document_masking``; False: plain
     causal attention over the window (``model(idx)``), for a model trained without the mask. Both
-    are required so that no caller forgets them. ``model`` returns logits ``(B, T, V)``; a bnlit
-    :class:`~bnlit.model.Transformer` (it has ``loss_fn``) is scored through its own loss instead,
+    are required so that no caller forgets them. ``model`` returns logits ``(B, T, V)``; a
+    :class:`~bnlit.model.Transformer` is scored through its own loss instead,
     ``model(idx, targets, mask=...)`` with the targets that are not scored ignored: validation's
-    graph when compiled, without the (B, T, V) logits in eager code (half the time of the logits
-    path on CPU). Windows of a batch are padded on the right (after every real token, so nothing real attends to the
-    padding). This rank scores windows ``rank::world_size``; pass a shared ``metric`` to accumulate
-    across calls, and its ``compute()`` sums over ranks. The caller sets eval mode and any
-    autocast; gradients are off here.
-    """
+    graph when compiled, and no (B, T, V) logits in eager code. Windows of a batch are padded on
+    the right (after every real token, so nothing real attends to the padding). This rank scores
+    windows ``rank::world_size``; pass a shared ``metric`` to accumulate across calls, and its
+    ``compute()`` sums over ranks. The caller sets eval mode and any autocast; gradients are off
+    here."""
     device = torch.device(device) if device is not None else next(model.parameters()).device
     stream = torch.as_tensor(np.asarray(stream, dtype=np.int64))
     metric = metric if metric is not None else NLLSum()
