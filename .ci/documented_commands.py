@@ -91,6 +91,7 @@ SMOKE: list[tuple[str, list[str], int | str]] = [
                        "--warmup", "1", "--batch-size", "2", "--seq-len", "32"], 0),
     ("bench_host_malloc", ["python", "scripts/bench_host_malloc.py", "--rounds", "1", "--steps", "1"], 0),
     ("bench_attention", ["python", "scripts/bench_attention.py", "--rounds", "2", "--steps", "1", "--eager"], 0),
+    ("bench_loss", ["python", "scripts/bench_loss.py", "--rounds", "2", "--steps", "1", "--chunk-rows", "128", "--eager"], 0),
     ("ocr_debris", ["python", "scripts/ocr_debris.py", "--samples", "1"], 0),
     ("memory_check", ["python", "scripts/memory_check.py", "--presets", "tiny", "--precisions", "32-true",
                       "--seq-len", "32", "--batch-size", "2"], 0),

@@ -2,10 +2,10 @@
 
 Times optimizer steps (forward, backward, AdamW) of the default model (``--model``, its
 ``max_seq_len`` and the data module's batch size) on random tokens with a document mask, compiled
-per block as the trainer compiles it and under the CPU run's precision, for several variants in one
-process, alternated block by block (A, B, C, ..., then the reverse order): ``plain`` (the default
-``module.loss_impl``), ``fused_adamw`` (the plain loss with ``optimizer.fused=true``) and
-``chunked_<rows>`` (``module.loss_impl=chunked`` with ``--chunk-rows`` rows of logits per chunk).
+per block as the trainer compiles it (``--eager``: not) and under the CPU run's precision, for
+several variants in one process, alternated block by block (A, B, C, ..., then the reverse order):
+``plain`` (the default ``module.loss_impl``), ``fused_adamw`` (the plain loss with
+``optimizer.fused=true``) and ``chunked_<rows>`` (``module.loss_impl=chunked`` with ``--chunk-rows`` rows of logits per chunk).
 Every variant starts from the same weights and sees the same batch. Prints each variant's median
 step time, its paired ratios against ``plain`` and their median, with the 1-minute load average,
 and each variant's first-step loss; ``--profile`` also prints where one plain step's CPU time goes
@@ -30,6 +30,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--model", default="tiny", help="model preset (conf/model/<name>.yaml)")
     p.add_argument("--chunk-rows", type=int, nargs="*", default=[128, 256, 512],
                    help="rows of logits per chunk of each chunked variant")
+    p.add_argument("--eager", action="store_true", help="do not torch.compile the blocks and the loss")
     p.add_argument("--profile", action="store_true", help="also print one plain step's ops by CPU self time")
     return p.parse_args()
 
@@ -70,7 +71,8 @@ def main() -> None:
         for layer in m.layers:
             layer.attention.sdpa = sdpa.kernel_fn(str(cfg.module.sdpa_backend), "cpu")
         m.loss_fn = loss_fn
-        compile_model(m, False)
+        if not args.eager:
+            compile_model(m, False)
         models[name] = m
         opts[name] = torch.optim.AdamW(m.parameters(), lr=1e-3, fused=fused or None)
     autocast = "bf16" in precision
@@ -96,7 +98,8 @@ def main() -> None:
                 step(name)
             times[name].append((time.perf_counter() - t0) / args.steps * 1e3)
     load = os.getloadavg()[0]
-    print(f"model {args.model}: batch {batch} x seq {seq}, {precision}, compiled, {args.threads} threads "
+    print(f"model {args.model}: batch {batch} x seq {seq}, {precision}, {'eager' if args.eager else 'compiled'}, "
+          f"{args.threads} threads "
           f"(load average {load:.1f})")
     for name in names:
         ratios = [t / p for t, p in zip(times[name], times["plain"])]
