@@ -5,7 +5,8 @@ Times optimizer steps (forward, backward, AdamW) of the default model (``--model
 per block as the trainer compiles it (``--eager``: not) and under the CPU run's precision, for
 several variants in one process, alternated block by block (A, B, C, ..., then the reverse order):
 ``plain`` (the default ``module.loss_impl``), ``fused_adamw`` (the plain loss with
-``optimizer.fused=true``) and ``chunked_<rows>`` (``module.loss_impl=chunked`` with ``--chunk-rows`` rows of logits per chunk).
+``optimizer.fused=true``) and ``chunked_<rows>`` (``module.loss_impl=chunked`` with ``--chunk-rows``
+rows of logits per chunk).
 Every variant starts from the same weights and sees the same batch. Prints each variant's median
 step time, its paired ratios against ``plain`` and their median, with the 1-minute load average,
 and each variant's first-step loss; ``--profile`` also prints where one plain step's CPU time goes
