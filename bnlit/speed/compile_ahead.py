@@ -8,8 +8,8 @@ validation this process uses one core, for the data build. So :func:`start` laun
 ``python -m bnlit.speed.compile_ahead`` on the other core with the run's resolved config and
 thread count: it builds the same :class:`bnlit.module.LMModule`, configures it under the run's
 Lightning precision and runs, on random windows of the run's batch shape, one evaluation forward
-(eval mode, no_grad: a validation's) and one training forward and backward, in the order
-the run needs them (``first``). That runs Inductor's ISA probe (whose programs land in its cache,
+(eval mode, no_grad: a validation's), when the run validates before its first step, and one
+training forward and backward. That runs Inductor's ISA probe (whose programs land in its cache,
 where this process's probe finds them) and writes the graphs to Inductor's on-disk caches (the FX
 graph and AOTAutograd caches, keyed by the graph, shapes, dtypes, thread count and config), so
 this run's own compiles of them are cache loads. The child prints each stage's name (``STAGES``)
@@ -42,6 +42,7 @@ STAGES = ("eval", "train")  # what the child compiles: a validation's forward, a
 
 _child: subprocess.Popen | None = None
 _ready: set[str] = set()  # the stages the child has reported
+_expected: tuple[str, ...] = ()  # the stages it compiles, in order
 
 
 def wanted(cfg) -> bool:
@@ -56,26 +57,30 @@ def wanted(cfg) -> bool:
 def start(cfg) -> subprocess.Popen:
     """Launch the child for the run ``cfg`` (resolved, sent on its stdin) at this process's torch
     thread count, and start Inductor's compile workers here too (their pool is per process). The
-    child compiles the evaluation graph first when the run validates before its first step."""
+    child compiles the evaluation graph, first, only when the run validates before its first step."""
     from omegaconf import OmegaConf
     from torch._inductor.async_compile import AsyncCompile
 
-    global _child, _ready
+    global _child, _ready, _expected
 
     def resolved(node):
         return OmegaConf.to_container(node, resolve=True)  # in the run's config, where its interpolations point
 
+    # the evaluation graph only for a run that validates before its first step: compiled after the
+    # training graph, the child's evaluation graph is not the one the run looks up (measured: the
+    # run compiles it again), so a run that trains first compiles it itself, as before
     validates_first = bool(cfg.get("validate_at_start")) and cfg.get("ckpt_path") is None
+    stages = STAGES if validates_first else ("train",)
     spec = OmegaConf.to_yaml({"model": resolved(cfg.model), "module": resolved(cfg.module),
                               "optimizer": resolved(cfg.optimizer), "precision": cfg.trainer.precision,
                               "batch_size": cfg.data.batch_size, "seq_len": cfg.data.seq_len,
-                              "first": "eval" if validates_first else "train"})
+                              "stages": list(stages)})
     proc = subprocess.Popen([sys.executable, "-m", "bnlit.speed.compile_ahead", str(torch.get_num_threads()),
                              str(os.getpid())], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, bufsize=0)
     proc.stdin.write(spec.encode())
     proc.stdin.close()
-    _child, _ready = proc, set()
+    _child, _ready, _expected = proc, set(), stages
     AsyncCompile.warm_pool()
     AsyncCompile.wakeup()
     return proc
@@ -87,7 +92,7 @@ def wait(stage: str = "train", timeout: float = WAIT_S) -> bool:
     call for a stage it did not report returns False at once, as it does with no child."""
     global _child
     child = _child
-    if stage in _ready or child is None:
+    if stage in _ready or child is None or stage not in _expected:
         return stage in _ready
     began = time.perf_counter()
     while stage not in _ready:
@@ -104,7 +109,7 @@ def wait(stage: str = "train", timeout: float = WAIT_S) -> bool:
             return False
         _ready.update(out.decode().split())
     log.info("compile ahead: %s graph ready (waited %.1f s)", stage, time.perf_counter() - began)
-    if _ready.issuperset(STAGES):
+    if _ready.issuperset(_expected):
         child.wait()
         _child = None
     return True
@@ -128,7 +133,7 @@ def random_windows(batch_size: int, seq_len: int, vocab_size: int, eos_id: int) 
 
 def compile_graphs(spec) -> None:
     """In the child: the run's module, configured as the run configures it, then one forward of
-    each stage under the run's precision, ``spec.first`` first, each reported on stdout."""
+    stage of ``spec.stages``, in order, under the run's precision, each reported on stdout."""
     import lightning as L
     from hydra.utils import instantiate
 
@@ -141,7 +146,7 @@ def compile_graphs(spec) -> None:
     module.trainer = trainer
     module.configure_model()
     batch = random_windows(spec.batch_size, spec.seq_len, model.config.vocab_size, EOS_ID)
-    for stage in sorted(STAGES, key=lambda s: s != spec.first):
+    for stage in spec.stages:
         if stage == "eval":  # as the run validates: eval mode, no_grad (conf/trainer: inference_mode false)
             module.eval()
             with torch.no_grad(), trainer.precision_plugin.forward_context():
