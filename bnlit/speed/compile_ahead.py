@@ -133,7 +133,7 @@ def random_windows(batch_size: int, seq_len: int, vocab_size: int, eos_id: int) 
 
 def compile_graphs(spec) -> None:
     """In the child: the run's module, configured as the run configures it, then one forward of
-    stage of ``spec.stages``, in order, under the run's precision, each reported on stdout."""
+    each stage of ``spec.stages``, in order, under the run's precision, each reported on stdout."""
     import lightning as L
     from hydra.utils import instantiate
 
