@@ -10,6 +10,7 @@ requeued by submitit and continues from that checkpoint to the end. No manual st
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -40,7 +41,7 @@ PACE = ["+callbacks.pace._target_=pace.Pace"]  # tests/pace.py
 
 def submit(cluster, sweep_dir: Path, *overrides: str, wandb: bool = False) -> subprocess.Popen:
     """``wandb``: W&B (offline) instead of the CSV logger alone (W&B keeps a CSV logger beside it)."""
-    env = dict(cluster.env, OMP_NUM_THREADS="1",
+    env = dict(cluster.env, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1",  # stacks on SIGABRT: see ``finish``
                PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
     tiny = TINY
     if wandb:
@@ -51,15 +52,46 @@ def submit(cluster, sweep_dir: Path, *overrides: str, wandb: bool = False) -> su
                              *overrides], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=sweep_dir.parent)
 
 
-def finish(proc: subprocess.Popen, sweep_dir: Path, timeout: float = 900) -> str:
+def job_logs(sweep_dir: Path) -> dict[Path, str]:
+    """Each task's stdout and stderr (every run of a requeued job appends to the same files)."""
+    return {p: p.read_text(errors="replace") for p in sorted(sweep_dir.glob(".submitit/*/*_log.*"))}
+
+
+def without_module_lists(text: str) -> str:
+    """A log without the extension-module lists faulthandler prints after each stack (~4 kB each)."""
+    return "\n".join(line for line in text.splitlines()
+                     if not line.startswith("Extension modules:") and "(total: " not in line)
+
+
+def hung(cluster, proc: subprocess.Popen, sweep_dir: Path, timeout: float) -> str:
+    """What a sweep that ran past ``timeout`` was doing: the queue, every Python stack of its jobs
+    (SIGABRT to each process whose command line names ``sweep_dir``, which ``PYTHONFAULTHANDLER``
+    turns into a dump in its task's log), each task's log and the controller's log."""
+    queue = cluster.run("squeue", "-a", "-o", "%i %T %r %M %l %N", check=False).stdout
+    jobs = cluster.run("scontrol", "show", "job", "-o", check=False).stdout
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        pid = int(cmdline.parent.name)
+        try:
+            if pid != proc.pid and str(sweep_dir).encode() in cmdline.read_bytes():
+                os.kill(pid, signal.SIGABRT)
+        except OSError:
+            pass  # it ended meanwhile
+    time.sleep(3)
+    proc.kill()
+    sweep = (sweep_dir.parent / f"{sweep_dir.name}.log").read_text(errors="replace")
+    tasks = "\n".join(f"--- {p.name}\n{without_module_lists(t)[-20000:]}" for p, t in job_logs(sweep_dir).items())
+    ctld = (cluster.root / "slurmctld.log").read_text(errors="replace")
+    return (f"the sweep did not end within {timeout:.0f} s\n--- squeue\n{queue}\n--- scontrol show job\n{jobs}\n"
+            f"--- the sweep's log\n{sweep[-3000:]}\n{tasks}\n--- slurmctld.log\n{ctld[-3000:]}")
+
+
+def finish(cluster, proc: subprocess.Popen, sweep_dir: Path, timeout: float = 900) -> str:
     try:
         proc.wait(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    except subprocess.TimeoutExpired:
+        pytest.fail(hung(cluster, proc, sweep_dir, timeout), pytrace=False)
     out = (sweep_dir.parent / f"{sweep_dir.name}.log").read_text()
-    # every run of a requeued job appends to the same log files
-    logs = {p: p.read_text(errors="replace") for p in sorted(sweep_dir.glob(".submitit/*/*_log.*"))}
+    logs = job_logs(sweep_dir)
     assert proc.returncode == 0, out[-3000:] + "\n" + "\n".join(t[-4000:] for t in logs.values())
     return "\n".join(logs.values())
 
@@ -72,7 +104,7 @@ def losses(job_dir: Path) -> dict[int, float]:
 def sweep(slurm_cluster, tmp_path_factory, cache_dir) -> Path:
     sweep_dir = tmp_path_factory.mktemp("sweep") / "multirun"
     proc = submit(slurm_cluster, sweep_dir, f"seed={SEEDS[0]},{SEEDS[1]}", wandb=True)
-    finish(proc, sweep_dir)
+    finish(slurm_cluster, proc, sweep_dir)
     return sweep_dir
 
 
@@ -125,7 +157,7 @@ def test_scontrol_requeue_saves_requeues_and_continues_to_the_end(slurm_cluster,
         time.sleep(0.5)
     job = slurm_cluster.run("squeue", "-h", "-o", "%i").stdout.split()[0]
     slurm_cluster.run("scontrol", "requeue", job)  # what a preemption does: SIGTERM now, rerun later
-    logs = finish(proc, sweep_dir)
+    logs = finish(slurm_cluster, proc, sweep_dir)
 
     assert "interrupted at step " in logs and "saved checkpoints/step" in logs, logs
     step = int(logs.split("interrupted at step ")[1].split(":")[0])
@@ -153,7 +185,7 @@ def test_time_limit_signal_saves_requeues_and_continues_to_the_end(slurm_cluster
                   "hydra.launcher.timeout_min=5", "hydra.launcher.signal_delay_s=60",
                   *PACE, "+callbacks.pace.seconds=9",
                   "+callbacks.pace.first_run_only=true")
-    logs = finish(proc, sweep_dir, timeout=900)
+    logs = finish(slurm_cluster, proc, sweep_dir, timeout=900)
     run = sweep_dir / "0"
 
     assert "Caught signal SIGUSR2" in logs and "this job is timed-out" in logs, logs
