@@ -177,20 +177,28 @@ def restore_handlers(before: dict[int, Any]) -> None:
 WORKER_IGNORED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 
 
-def worker_ignores_interrupts(worker_id: int) -> None:
+def worker_ignores_interrupts(worker_id: int, rank: int = 0, seed: bool | None = None) -> None:
     """``DataLoader(worker_init_fn=...)``: a Ctrl-C in a terminal reaches the data-loader workers
     too, and so do SLURM's signals (``scontrol requeue``'s SIGTERM, ``--signal``'s SIGUSR1/2 go to
     every process of the job step). A worker that gets one either exits (the trainer's next batch
     fails before the interrupt checkpoint is written) or runs the handler it inherited from the
     trainer (submitit's requeue: every worker of rank 0 would requeue the job). Workers ignore them;
     the trainer decides and shuts the workers down. Keeps Lightning's worker seeding
-    (``seed_everything(workers=True)``), which a custom ``worker_init_fn`` replaces."""
+    (``seed_everything(workers=True)``), which a custom ``worker_init_fn`` replaces; ``rank`` is the
+    trainer's global rank. ``seed``: whether to, as the trainer read it
+    from ``PL_SEED_WORKERS`` (a worker started from a fork server sees the server's environment,
+    not the trainer's); None reads the worker's own."""
     for sig in WORKER_IGNORED_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
-    if os.environ.get("PL_SEED_WORKERS") == "1":
+    if seed if seed is not None else seed_workers():
         from lightning.fabric.utilities.seed import pl_worker_init_function
 
-        pl_worker_init_function(worker_id)
+        pl_worker_init_function(worker_id, rank=rank)
+
+
+def seed_workers() -> bool:
+    """Whether ``seed_everything(workers=True)`` asked for seeded loader workers."""
+    return os.environ.get("PL_SEED_WORKERS") == "1"
 
 
 def agree(flag: int, strategy: Any) -> int:

@@ -122,6 +122,8 @@ RULES: list[tuple[str, Callable[[Any], bool], str, str]] = [
     ("data.num_proc", lambda v: v == "auto" or positive_int(v), "auto or an integer >= 1",
      "the processes that clean and tokenize, e.g. 2 (auto: this machine's cores)"),
     ("data.prefetch_factor", optional(positive_int), "an integer >= 1 or null", "use null for torch's default"),
+    ("data.multiprocessing_context", lambda v: v in ("forkserver", "fork", "spawn"), "forkserver, fork or spawn",
+     "use forkserver (fork starts faster but can inherit a lock another thread holds: docs/data.md)"),
     ("optimizer.lr", positive, "a finite number > 0", "e.g. 1e-2 for the tiny preset"),
     ("optimizer.weight_decay", non_negative, "a number >= 0", "e.g. 0.1, or 0 for none"),
     ("optimizer.eps", positive, "a number > 0", "e.g. 1e-8"),

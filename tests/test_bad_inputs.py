@@ -301,6 +301,8 @@ BAD_VALUES = [
     (["data.val_fraction=0"], "data.val_fraction=0: must be a fraction in (0, 1); hold out a small share, e.g. 0.05"),
     (["data.num_proc=0"], "data.num_proc=0: must be auto or an integer >= 1; the processes that clean and tokenize, e.g. 2 (auto: this machine's cores)"),
     (["data.num_workers=-1"], "data.num_workers=-1: must be an integer >= 0; use 0 to load in the main process"),
+    (["data.multiprocessing_context=threads"], "data.multiprocessing_context='threads': must be forkserver, fork or "
+     "spawn; use forkserver (fork starts faster but can inherit a lock another thread holds: docs/data.md)"),
     (["optimizer.weight_decay=-0.1"], "optimizer.weight_decay=-0.1: must be a number >= 0; e.g. 0.1, or 0 for none"),
     (["optimizer.betas=[0.9,1.5]"], "optimizer.betas=[0.9, 1.5]: must be two numbers in [0, 1); e.g. [0.9, 0.95]"),
     (["scheduler.warmup_fraction=1.0"],

@@ -12,8 +12,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import multiprocessing
 import random
+import signal
+import sys
+import threading
 from collections.abc import Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +29,7 @@ import torch.distributed as dist
 from torch.utils.data import ConcatDataset, DataLoader
 
 from bnlit import progress as progress_bars
-from bnlit.interrupt import worker_ignores_interrupts
+from bnlit.interrupt import WORKER_IGNORED_SIGNALS, seed_workers, worker_ignores_interrupts
 from bnlit.data import embedded
 from bnlit.data.dataset import MixtureSampler, PackedWindows, mixture_counts, resume_start
 from bnlit.data.pipeline import CleanConfig, Plan, load_stats, plan_data, run_local, workers
@@ -79,6 +84,56 @@ def gather_rng_states() -> list[dict[str, Any]]:
     return out
 
 
+# what a loader worker runs, imported once by the fork server instead of by every worker
+WORKER_MODULES = ("torch", "numpy", "bnlit.data.dataset", "bnlit.interrupt", "lightning.fabric.utilities.seed")
+
+
+def fork_server_preload() -> list[str]:
+    """What the fork server imports before it forks any worker: ``WORKER_MODULES``, and this
+    process's main module, which each worker imports again before it unpickles its work (as a
+    spawned process does). ``python -m bnlit.train``'s main module imports Hydra and Lightning:
+    ~5 s per worker here when the server has not imported it first, a few ms when it has."""
+    main = getattr(sys.modules.get("__main__"), "__spec__", None)
+    return ["__main__", *WORKER_MODULES, *([main.name] if main is not None and main.name else [])]
+
+
+def worker_context(method: str) -> multiprocessing.context.BaseContext:
+    """The start method of loader workers. ``forkserver``: workers fork from a server process
+    started once per trainer process, which imports ``WORKER_MODULES`` before any thread runs in it.
+    A worker forked from the trainer itself (``fork``, Linux's default) inherits the trainer's
+    memory with every lock as it was at that instant: a lock held by another thread (gloo's, a
+    logger's, the C library's atexit list) stays held in the worker forever, and the worker hangs
+    silently the first time it needs it (CI's SLURM sweep waited 15 minutes at its first batch;
+    run here, 1 run in 20 hung with a worker stuck inside ``os.fork()``: docs/data.md, "Loader
+    workers"; pytorch/pytorch#130610)."""
+    ctx = multiprocessing.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(fork_server_preload())  # no effect once this process's server runs
+        start_fork_server()
+    return ctx
+
+
+def start_fork_server() -> None:
+    """Start this process's fork server (once) ignoring the stop signals workers ignore
+    (``bnlit.interrupt.WORKER_IGNORED_SIGNALS``): an ignored signal stays ignored across fork and
+    exec, so SLURM's SIGTERM or ``--signal`` USR2, sent to every process of the job step, cannot kill
+    the server (the trainer would then read every worker as dead). This process blocks them
+    meanwhile, so one that arrives while the server starts waits, and reaches its handler after."""
+    from multiprocessing import forkserver
+
+    if threading.current_thread() is not threading.main_thread():
+        forkserver.ensure_running()  # signal handlers can only be changed in the main thread
+        return
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, WORKER_IGNORED_SIGNALS)
+    handlers = {s: signal.signal(s, signal.SIG_IGN) for s in WORKER_IGNORED_SIGNALS}
+    try:
+        forkserver.ensure_running()
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h if h is not None else signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
 class BnDataModule(L.LightningDataModule):
     """Args:
     sources: list of :class:`~bnlit.data.sources.Source` fields (dicts from the config).
@@ -93,6 +148,10 @@ class BnDataModule(L.LightningDataModule):
         ``chars`` (text; converted at setup into the token weights that deliver those character
         shares, from each source's characters per token under the run's tokenizer).
     prefetch_factor: batches each loader worker prepares ahead (None: torch's default).
+    multiprocessing_context: how loader workers start (``num_workers > 0``): ``forkserver`` (they fork
+        from a server process that imported torch and the dataset code before any thread ran, see
+        :func:`worker_context`), ``fork`` (from this process: faster, but a worker inherits every lock
+        another thread of this process held at that instant, and can hang on it) or ``spawn``.
     progress: show progress bars while cleaning, training the tokenizer and building shards.
     executor: ``data.executor``: ``tasks`` (pieces each source is split into) and how
         ``python -m bnlit.prepare`` runs the stages (``kind: local`` or ``slurm``).
@@ -113,6 +172,7 @@ class BnDataModule(L.LightningDataModule):
         seed: int = 0,
         weight_unit: str = "tokens",
         prefetch_factor: int | None = None,
+        multiprocessing_context: str = "forkserver",
         clean: Mapping[str, Any] | None = None,
         progress: bool = True,
         executor: Mapping[str, Any] | None = None,
@@ -137,6 +197,7 @@ class BnDataModule(L.LightningDataModule):
         self.val_fraction, self.seed = val_fraction, seed
         self.num_workers, self.pin_memory, self.num_proc = num_workers, pin_memory, num_proc
         self.prefetch_factor = prefetch_factor
+        self.multiprocessing_context = multiprocessing_context
         self.tokenizer: Tokenizer | None = None
         self.index: dict | None = None
         self.shard_dir: Path | None = None
@@ -308,6 +369,9 @@ class BnDataModule(L.LightningDataModule):
         return np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
 
     # ---- loaders ---------------------------------------------------------------------------
+    def _rank(self) -> int:
+        return self.trainer.global_rank if self.trainer is not None else 0
+
     def _loader(self, dataset, sampler=None, drop_last=False) -> DataLoader:
         return DataLoader(
             dataset,
@@ -318,9 +382,11 @@ class BnDataModule(L.LightningDataModule):
             num_workers=self.num_workers,
             pin_memory=self.pin_memory,
             persistent_workers=self.num_workers > 0,
-            worker_init_fn=worker_ignores_interrupts if self.num_workers > 0 else None,  # Ctrl-C: see bnlit.interrupt
+            # Ctrl-C and seeding: see bnlit.interrupt
+            worker_init_fn=partial(worker_ignores_interrupts, rank=self._rank(), seed=seed_workers()) if self.num_workers > 0 else None,
             # batches each worker keeps ready (torch's default, 2, when None); workers only
             prefetch_factor=self.prefetch_factor if self.num_workers > 0 else None,
+            multiprocessing_context=worker_context(self.multiprocessing_context) if self.num_workers > 0 else None,
         )
 
     def train_dataloader(self) -> DataLoader:

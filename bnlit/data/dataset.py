@@ -6,7 +6,9 @@ start from any position (for resume)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -29,6 +31,30 @@ class PackedWindows(Dataset):
         start = i * self.seq_len
         chunk = torch.from_numpy(np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int64))
         return chunk[:-1], chunk[1:]
+
+    def __getstate__(self) -> dict:
+        """Tokens mapped from a whole file travel as its path (a loader worker that does not fork
+        from this process maps the file again); any other array travels as its data."""
+        state = dict(self.__dict__)
+        t = self.tokens
+        if isinstance(t, np.memmap) and t.filename and t.offset == 0 and t.ndim == 1 \
+                and t.nbytes == os.path.getsize(t.filename):
+            state["tokens"] = MappedFile(os.path.abspath(t.filename), t.dtype.str, len(t))
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        t = state["tokens"]
+        if isinstance(t, MappedFile):
+            state["tokens"] = np.memmap(t.path, dtype=np.dtype(t.dtype), mode="r", shape=(t.length,))
+        self.__dict__.update(state)
+
+
+class MappedFile(NamedTuple):
+    """A 1-D token file mapped read-only: what a pickled :class:`PackedWindows` holds."""
+
+    path: str
+    dtype: str
+    length: int
 
 
 def mixture_counts(sizes: Sequence[int], weights: Sequence[float], epoch_len: int) -> list[int]:
