@@ -369,8 +369,9 @@ class BnDataModule(L.LightningDataModule):
         return np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
 
     # ---- loaders ---------------------------------------------------------------------------
-    def _rank(self) -> int:
-        return self.trainer.global_rank if self.trainer is not None else 0
+    def _rank_world(self) -> tuple[int, int]:
+        """This process's global rank and the world size (0, 1 without a trainer)."""
+        return (self.trainer.global_rank, self.trainer.world_size) if self.trainer is not None else (0, 1)
 
     def _loader(self, dataset, sampler=None, drop_last=False) -> DataLoader:
         return DataLoader(
@@ -383,14 +384,15 @@ class BnDataModule(L.LightningDataModule):
             pin_memory=self.pin_memory,
             persistent_workers=self.num_workers > 0,
             # Ctrl-C and seeding: see bnlit.interrupt
-            worker_init_fn=partial(worker_ignores_interrupts, rank=self._rank(), seed=seed_workers()) if self.num_workers > 0 else None,
+            worker_init_fn=(partial(worker_ignores_interrupts, rank=self._rank_world()[0], seed=seed_workers())
+                            if self.num_workers > 0 else None),
             # batches each worker keeps ready (torch's default, 2, when None); workers only
             prefetch_factor=self.prefetch_factor if self.num_workers > 0 else None,
             multiprocessing_context=worker_context(self.multiprocessing_context) if self.num_workers > 0 else None,
         )
 
     def train_dataloader(self) -> DataLoader:
-        rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
+        rank, world = self._rank_world()
         sampler = MixtureSampler(
             [len(d) for d in self.train_sets],
             self.sampling_weights,
@@ -424,8 +426,7 @@ class BnDataModule(L.LightningDataModule):
         """Restore the sampler position and this rank's RNG states from a checkpoint."""
         if "position" not in state:
             return
-        world = self.trainer.world_size if self.trainer is not None else 1
-        rank = self.trainer.global_rank if self.trainer is not None else 0
+        rank, world = self._rank_world()
         resume_start(state["position"], world, self.batch_size)  # refuse an unshardable resume now
         self._resume = dict(state["position"])
         rngs = state.get("rng") or []
