@@ -241,6 +241,15 @@ def check_hardware(cfg: DictConfig) -> None:
                     cores, devices, devices / cores, cores, devices)
 
 
+def check_optimizer(cfg: DictConfig) -> None:
+    """Muon orthogonalises whole matrices: FSDP's sharded parameters would each be a slice."""
+    optimizer, strategy = str(_get(cfg, "optimizer._target_", "")), _get(cfg, "trainer.strategy")
+    sharded = isinstance(strategy, Mapping) and str(strategy.get("_target_", "")).endswith("FSDP2Strategy")
+    if optimizer.endswith("MuonAdamW") and sharded:
+        raise ConfigError(f"optimizer._target_={optimizer}: Muon needs whole matrices and trainer.strategy "
+                          f"{strategy['_target_']} shards them; use optimizer=adamw")
+
+
 def check_cache_dir(cfg: DictConfig) -> None:
     """Tokenizers and shards are written under ``paths.cache_dir``."""
     from bnlit.command_line import check_writable
@@ -450,6 +459,7 @@ def check_config(cfg: DictConfig) -> None:
     check_steps(cfg)
     check_model(cfg)
     check_hardware(cfg)
+    check_optimizer(cfg)
     check_data(cfg)
     check_cache_dir(cfg)
     check_disk_space(cfg)

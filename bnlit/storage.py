@@ -115,7 +115,8 @@ def write_text(path: str | os.PathLike, text: str, encoding: str = "utf-8") -> P
 # bytes per parameter of the weights by Lightning precision (a "-true" precision stores them in it)
 WEIGHT_BYTES = {"bf16-true": 2, "16-true": 2, "64-true": 8, "64": 8, "transformer-engine": 2}
 # optimizer state tensors per parameter, each of the weights' dtype, by optimizer class name
-OPTIMIZER_STATES = {"AdamW": 2, "Adam": 2, "SGD": 1, "Adafactor": 1}
+# (MuonAdamW: at least Muon's one momentum; AdamW's two on the embeddings and norms)
+OPTIMIZER_STATES = {"AdamW": 2, "Adam": 2, "SGD": 1, "Adafactor": 1, "MuonAdamW": 1}
 
 
 def checkpoint_bytes(n_params: int, precision: Any = "32-true", optimizer: str = "AdamW") -> int:

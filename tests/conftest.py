@@ -37,7 +37,7 @@ TINY = [
     "data.num_proc=1",
     "trainer.precision=32-true",  # trainer=cpu picks bf16-mixed on a CPU with native bf16
     "module.compile=false",  # hardware=cpu compiles where a C++ compiler is found (~20 s per run)
-    # a handful of steps: the default run's lr 1e-2 with warmup-stable-decay is tuned for 1400 steps
+    # a handful of steps: the default run's lr 1e-2 with warmup-stable-decay is tuned for 800 steps
     "optimizer.lr=3e-3",
     "scheduler=cosine",
     "trainer.max_steps=4",

@@ -303,6 +303,9 @@ BAD_VALUES = [
     (["data.num_workers=-1"], "data.num_workers=-1: must be an integer >= 0; use 0 to load in the main process"),
     (["data.multiprocessing_context=threads"], "data.multiprocessing_context='threads': must be forkserver, fork or "
      "spawn; use forkserver (fork starts faster but can inherit a lock another thread holds: docs/data.md)"),
+    (["trainer.strategy={_target_:bnlit.fsdp.FSDP2Strategy}"],
+     "optimizer._target_=bnlit.optim.MuonAdamW: Muon needs whole matrices and trainer.strategy "
+     "bnlit.fsdp.FSDP2Strategy shards them; use optimizer=adamw"),
     (["optimizer.weight_decay=-0.1"], "optimizer.weight_decay=-0.1: must be a number >= 0; e.g. 0.1, or 0 for none"),
     (["optimizer.betas=[0.9,1.5]"], "optimizer.betas=[0.9, 1.5]: must be two numbers in [0, 1); e.g. [0.9, 0.95]"),
     (["scheduler.warmup_fraction=1.0"],

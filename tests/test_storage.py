@@ -320,10 +320,13 @@ def test_checkpoint_size_estimate_is_a_lower_bound_of_a_real_checkpoint(cli, mak
 
     from bnlit.speed.flops import param_counts
 
-    code, err = cli(tmp_path / "r", "trainer.max_steps=2")
+    # AdamW, whose two moments cover every parameter (the CPU default, MuonAdamW, keeps one on the
+    # blocks' matrices: its bound, one state per parameter, is looser)
+    code, err = cli(tmp_path / "r", "trainer.max_steps=2", "optimizer=adamw")
     assert code == 0, err
     real = (tmp_path / "r" / "checkpoints" / "last.ckpt").stat().st_size
     n = param_counts(instantiate(make_cfg().model.config))["n_params"]
+    assert storage.checkpoint_bytes(n, "32-true", "bnlit.optim.MuonAdamW") == 8 * n
     estimate = storage.checkpoint_bytes(n, "32-true", "torch.optim.AdamW")
     assert estimate == 12 * n
     assert 0.9 * real < estimate <= real  # within the extras (tokenizer, RNG states) of the truth
@@ -339,7 +342,7 @@ def test_too_little_free_space_for_the_first_checkpoint_refuses_before_any_work(
 
     monkeypatch.setattr(shutil, "disk_usage", small_disk)
     cache, run = tmp_path / "cache", tmp_path / "r"
-    code, err = cli(run, f"paths.cache_dir={cache}")
+    code, err = cli(run, f"paths.cache_dir={cache}", "optimizer=adamw")
     assert code == 2
     n = 164_160  # the tiny preset at vocabulary 1024 (python -m bnlit.info)
     assert only_error(err) == (
@@ -349,7 +352,7 @@ def test_too_little_free_space_for_the_first_checkpoint_refuses_before_any_work(
     assert asked == [run]  # the nearest directory that exists (Hydra's run dir, removed again at the refusal)
     assert not run.exists() and (not cache.exists() or not any(cache.iterdir()))  # before the data build
     monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(10 << 20, 0, 4 * 12 * n))  # just enough
-    code, err = cli(run, "trainer.max_steps=1", "callbacks.model_checkpoint.save_last=false")  # the shared cache
+    code, err = cli(run, "trainer.max_steps=1", "callbacks.model_checkpoint.save_last=false", "optimizer=adamw")
     assert code == 0, err
     monkeypatch.setattr(shutil, "disk_usage", real)
 
@@ -359,8 +362,10 @@ def test_the_estimate_follows_precision_and_the_files_a_save_writes(make_cfg, mo
     from bnlit.preflight import check_disk_space
 
     monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(1, 1, 0))
-    for overrides, bytes_per_param, files in [([], 12, 2), (["trainer.precision=bf16-true"], 6, 2),
-                                              (["callbacks.model_checkpoint.save_last=false"], 12, 1)]:
+    adamw = "optimizer=adamw"  # the CPU default is MuonAdamW (one state on the blocks' matrices)
+    for overrides, bytes_per_param, files in [([adamw], 12, 2), ([adamw, "trainer.precision=bf16-true"], 6, 2),
+                                              ([adamw, "callbacks.model_checkpoint.save_last=false"], 12, 1),
+                                              ([], 8, 2)]:
         with pytest.raises(CheckpointError) as e:
             check_disk_space(make_cfg(*overrides))
         assert f"x {bytes_per_param} bytes" in str(e.value) and (f"{files} checkpoint file" in str(e.value))
@@ -424,7 +429,7 @@ def test_a_real_full_disk_mid_run_keeps_the_first_checkpoint_and_the_run_resumes
 
 def test_a_real_small_disk_refuses_the_run_with_the_numbers(cli, tmp_path):
     with tmpfs(tmp_path / "disk", "1m") as disk:
-        code, err = cli(tmp_path / "r", f"paths.checkpoint_dir={disk}/checkpoints")
+        code, err = cli(tmp_path / "r", f"paths.checkpoint_dir={disk}/checkpoints", "optimizer=adamw")
         assert code == 2
         line = only_error(err)
         assert line.startswith(f"error: paths.checkpoint_dir={disk}/checkpoints: 1.0 MB free on its filesystem "

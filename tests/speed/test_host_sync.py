@@ -66,7 +66,7 @@ def counted(monkeypatch):
 
 # the arbiter's every-step sentinel reads its flag every step on CPU only (on CUDA on logging
 # steps: callbacks/gradient_flow.py); everything else of the default run is counted
-FAST = ["optimizer.fused=true", "trainer.log_every_n_steps=4", "trainer.max_steps=8",
+FAST = ["optimizer=adamw", "optimizer.fused=true", "trainer.log_every_n_steps=4", "trainer.max_steps=8",
         "callbacks.gradient_flow.sentinel=false",
         "callbacks.model_checkpoint.every_n_train_steps=100", "trainer.val_check_interval=100",
         "+callbacks.sync_counter._target_=test_host_sync.SyncCounter"]
@@ -81,7 +81,7 @@ def test_steps_that_log_nothing_read_nothing_from_the_device(make_cfg, counted):
 
 
 POISON = ["+callbacks.poison._target_=helpers_faults.Poison", "+callbacks.poison.batch_idx=2"]
-DEFERRED = ["optimizer.fused=true", "trainer.log_every_n_steps=4", "trainer.max_steps=8",
+DEFERRED = ["optimizer=adamw", "optimizer.fused=true", "trainer.log_every_n_steps=4", "trainer.max_steps=8",
             "callbacks.model_checkpoint.every_n_train_steps=100", "trainer.val_check_interval=100"]
 
 
