@@ -55,15 +55,22 @@ QUOTES: list[tuple[str, str, tuple[str, ...], Callable[[DictConfig], tuple]]] = 
      (), lambda c: (c.model.config.name, c.model.config.vocab_size, c.trainer.max_steps, c.data.batch_size,
                     c.data.seq_len, c.optimizer.lr, schedule(c))),
     ("docs/evaluation.md",
-     r"\*\*default now\*\*: seq (\d+), batch (\d+), lr ([\d.e-]+) (\w+), [^|]*validation every (\d+), [^|]*\| (\d+) \|",
-     (), lambda c: (c.data.seq_len, c.data.batch_size, c.optimizer.lr, schedule(c, short=True),
+     r"\*\*default now\*\*: (\w+), seq (\d+), batch (\d+), lr ([\d.e-]+) (\w+), [^|]*validation every (\d+), [^|]*\| (\d+) \|",
+     (), lambda c: (optimizer(c), c.data.seq_len, c.data.batch_size, c.optimizer.lr, schedule(c, short=True),
                     c.trainer.val_check_interval, c.trainer.max_steps)),
+    ("docs/evaluation.md", r"warmup-stable-decay, (\w+) on the blocks' matrices and AdamW on the embeddings", (),
+     lambda c: (optimizer(c),)),
     ("conf/data/embedded.yaml", r"# (\d+) x (\d+) = (\d+) tokens per step with the (\w+) preset", (),
      lambda c: (c.data.batch_size, c.data.seq_len, c.data.batch_size * c.data.seq_len, c.model.config.name)),
 ]
 
 
 SCHEDULES = {"warmup_stable_decay": ("warmup-stable-decay", "WSD"), "warmup_cosine": ("warmup-cosine", "cosine")}
+
+
+def optimizer(c: DictConfig) -> str:
+    """The optimizer as the docs name it (``conf/optimizer/*.yaml`` ``_target_``)."""
+    return {"MuonAdamW": "Muon", "AdamW": "AdamW"}[str(c.optimizer._target_).rsplit(".", 1)[-1]]
 
 
 def schedule(c: DictConfig, short: bool = False) -> str:
@@ -219,7 +226,7 @@ def test_planted_drift_is_caught(tmp_path):
     edit("README.md", "| `tiny` | 128 | 2 |", "| `tiny` | 96 | 2 |")
     edit("docs/configuration.md", "| 395.9M |", "| 395.8M |")
     edit("docs/configuration.md", "| `1b` |", "| `2b` |")
-    edit("docs/getting-started.md", "default (1400 steps of 32 x 128", "default (1000 steps of 32 x 128")
+    edit("docs/getting-started.md", "default (800 steps of 32 x 128", "default (1000 steps of 32 x 128")
     edit("docs/evaluation.md", "128 tokens, lr 1e-2", "128 tokens, lr 3e-3")
     edit("docs/production.md", "= 524,288 tokens", "= 524,287 tokens")
     edit("docs/throughput.md", "micro-batch 16 x 16", "micro-batches of 16 x 16")
@@ -230,7 +237,7 @@ def test_planted_drift_is_caught(tmp_path):
     assert any(p.startswith("docs/configuration.md: the presets table lists") for p in presets)
     assert len(presets) == 3
     quotes = quote_mismatches(tmp_path)
-    assert any(q.startswith("docs/getting-started.md:") and "quotes 1000 where the default config has 1400" in q
+    assert any(q.startswith("docs/getting-started.md:") and "quotes 1000 where the default config has 800" in q
                for q in quotes)
     assert any(q.startswith("docs/evaluation.md:") and "quotes 3e-3 where the default config has 0.01" in q
                for q in quotes)
