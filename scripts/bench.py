@@ -6,7 +6,8 @@ built from the real config with the default callbacks), alternated over ``--reps
 plus the Lightning path without the gradient-flow arbiter. Prints tokens/s of each,
 ``lightning_vs_raw``, the arbiter's step-time ratio, the data loader's share of the raw loop's
 step time, and MFU against this CPU's measured matmul peak. ``--variants``/``--all`` add the
-arbiter checking every step, document masking flipped, the chunked and the fused loss (a
+arbiter checking every step, document masking flipped, the chunked and the fused loss, AdamW in
+place of the configured optimizer (CPU: Muon with AdamW, ``optimizer=muon``) (a
 variant the run's precision refuses, ``fused`` under bf16-mixed, is skipped with one line);
 ``--masking-pairs`` and ``--memory`` add longer measurements. Ctrl-C prints what was measured so
 far.
@@ -45,7 +46,7 @@ from pathlib import Path
 # the variants beside raw and lightning: the default set, and those behind --variants / --all
 DEFAULT_VARIANTS = ("lightning_no_arbiter",)
 EXTRA_VARIANTS = ("lightning_arbiter_every_step", "lightning_masking_flipped", "lightning_chunked_loss",
-                  "lightning_fused_loss")
+                  "lightning_fused_loss", "lightning_adamw")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -290,6 +291,7 @@ def cpu_variants(masking_on: bool, have_arbiter: bool) -> dict[str, list[str]]:
     variants["lightning_masking_flipped"] = [f"module.document_masking={str(not masking_on).lower()}"]
     variants["lightning_chunked_loss"] = ["module.loss_impl=chunked"]
     variants["lightning_fused_loss"] = ["module.loss_impl=fused"]  # torch's F.linear_cross_entropy (fp32 only)
+    variants["lightning_adamw"] = ["optimizer=adamw"]  # trainer=cpu's Muon (optimizer=muon) against AdamW alone
     return variants
 
 
@@ -418,6 +420,7 @@ def cpu_bench(args, run_root: Path) -> dict:
     out["document_masking_step_time_ratio_best_of"] = best_of(off, on)
     out["chunked_loss_step_time_ratio"] = paired("lightning", "lightning_chunked_loss")  # vs the configured loss_impl
     out["fused_loss_step_time_ratio"] = paired("lightning", "lightning_fused_loss")
+    out["adamw_step_time_ratio"] = paired("lightning", "lightning_adamw")  # vs the configured optimizer
     out["loss_impl"] = cfg.module.loss_impl
     if args.masking_pairs and not interrupted:
         out["document_masking_interleaved"] = masking_interleaved(cfg, datamodule, args.warmup, args.masking_pairs)
@@ -708,7 +711,8 @@ def print_cpu(result: dict) -> None:
           f"Lightning data wait {fmt(result['lightning_data_wait_pct'], '.1f')}%")
     print(f"  document masking step-time ratio {fmt(result['document_masking_step_time_ratio'], '.3f')}; step-time "
           f"ratio to the {result['loss_impl']} loss: chunked {fmt(result['chunked_loss_step_time_ratio'], '.3f')}, "
-          f"fused {fmt(result['fused_loss_step_time_ratio'], '.3f')}")
+          f"fused {fmt(result['fused_loss_step_time_ratio'], '.3f')}; step-time ratio of AdamW to the configured "
+          f"optimizer {fmt(result['adamw_step_time_ratio'], '.3f')}")
     if result.get("document_masking_interleaved"):
         m = result["document_masking_interleaved"]
         print(f"  document masking, interleaved step by step ({m['pairs']} pairs, {m['documents_per_window']:.1f} "
