@@ -44,6 +44,10 @@ class MuonAdamW(torch.optim.Optimizer):
         self.muon.state = self.adamw.state = self.state
 
     def load_state_dict(self, state_dict: dict) -> None:
+        groups = state_dict.get("param_groups", [])
+        if len(groups) != len(self.param_groups) or "momentum" not in groups[0]:
+            raise ValueError("the optimizer state is not MuonAdamW's (a checkpoint trained with another optimizer); "
+                             "resume with the optimizer it was trained with, e.g. optimizer=adamw")
         super().load_state_dict(state_dict)  # replaces self.param_groups and self.state
         self._link()
 

@@ -76,7 +76,7 @@ def test_ddp_two_processes_match_one(tmp_path, cache_dir):
     resumed.parent.mkdir()
     (resumed / "checkpoints").mkdir(parents=True)
     (resumed / "checkpoints" / "last.ckpt").write_bytes((two / "checkpoints" / "step0000003.ckpt").read_bytes())
-    out = run_cli(resumed, "data.batch_size=4", "ckpt_path=last")
+    out = run_cli(resumed, "data.batch_size=4", "ckpt_path=last", "optimizer=adamw")
     assert out.returncode == 0, out.stderr[-3000:]
     after = metric(resumed, "train/loss")
     assert sorted(after) == [2, 3, 4, 5]  # step 2's row from the checkpoint (a fresh run dir has none), then 3-5
